@@ -1,0 +1,201 @@
+"""Train the built-in model: a DeepSeek-V2-Lite in miniature, on the built-in train split.
+
+Not run by CI or tests; it rebuilds what ships in src/allocmoe/builtin/model. Seeded, time-bounded
+(`--max-minutes`; rerun to continue), resumable from its last checkpoint, with a progress bar and
+load-balancing loss on. The learning-rate schedule is fixed by `--steps`, not by the clock, so a
+run stopped and resumed trains exactly as one that was not.
+
+    python scripts/prepare_data.py          # once, if the splits are missing
+    python scripts/train_builtin.py --steps 1000 --max-minutes 90
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import math
+import os
+import random
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "src" / "allocmoe" / "builtin" / "data"
+MODEL_OUT = ROOT / "src" / "allocmoe" / "builtin" / "model"
+
+# The shape: DeepSeek-V2-Lite's design (first layer dense, MLA attention without a q LoRA, 2 shared
+# experts, softmax routing, no top-k renormalisation, scaling factor 1) at a size 2 CPU cores train.
+MODEL_SHAPE = dict(
+    vocab_size=4096,
+    hidden_size=128,
+    intermediate_size=512,       # the dense first layer's MLP
+    moe_intermediate_size=64,
+    num_hidden_layers=7,         # 1 dense + 6 MoE
+    first_k_dense_replace=1,
+    n_routed_experts=32,
+    num_experts_per_tok=6,
+    n_shared_experts=2,
+    norm_topk_prob=False,
+    routed_scaling_factor=1.0,
+    topk_method="greedy",
+    num_attention_heads=4,
+    kv_lora_rank=64,
+    q_lora_rank=None,            # as in V2-Lite
+    qk_nope_head_dim=32,
+    qk_rope_head_dim=16,
+    v_head_dim=32,
+    max_position_embeddings=512,
+    tie_word_embeddings=True,    # keeps the shipped file under 40 MB
+    bos_token_id=None,
+    eos_token_id=0,
+    pad_token_id=0,
+)
+
+
+def read_split(name: str) -> str:
+    return lzma.open(DATA / f"{name}.txt.xz", "rt", encoding="utf-8").read()
+
+
+def train_tokenizer(out_dir: Path):
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([read_split("train")], vocab_size=MODEL_SHAPE["vocab_size"],
+                            min_frequency=2, special_tokens=["<|endoftext|>"])
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.model_max_length = MODEL_SHAPE["max_position_embeddings"]
+    tok.save_pretrained(out_dir)
+    return tok
+
+
+def load_balancing_loss(router_logits: tuple[torch.Tensor, ...], k: int) -> torch.Tensor:
+    """Switch-style auxiliary loss, E * sum_e f_e * P_e, averaged over MoE layers.
+    E = experts; f_e = share of the T*k routed slots given to expert e, P_e = its mean probability."""
+    losses = []
+    for logits in router_logits:                           # [T, E]
+        probs = logits.float().softmax(-1)
+        chosen = probs.topk(k, dim=-1).indices              # [T, k]
+        share = F.one_hot(chosen, probs.size(-1)).float().sum(1).mean(0) / k   # [E]
+        losses.append(probs.size(-1) * (share * probs.mean(0)).sum())
+    return torch.stack(losses).mean()
+
+
+def batches(ids: torch.Tensor, seq_len: int, batch: int, gen: torch.Generator):
+    while True:
+        starts = torch.randint(0, ids.numel() - seq_len - 1, (batch,), generator=gen)
+        yield torch.stack([ids[s:s + seq_len] for s in starts.tolist()])
+
+
+@torch.no_grad()
+def evaluate(model, ids: torch.Tensor, seq_len: int) -> float:
+    model.eval()
+    windows = ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+    nll, count = 0.0, 0
+    for chunk in windows.split(16):
+        out = model(input_ids=chunk, labels=chunk)
+        n = chunk.numel() - chunk.size(0)
+        nll += out.loss.item() * n
+        count += n
+    model.train()
+    return math.exp(nll / count)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--steps", type=int, default=1000, help="total optimiser steps (fixes the LR schedule)")
+    parser.add_argument("--max-minutes", type=float, default=90.0, help="stop after this long; rerun to resume")
+    parser.add_argument("--batch-size", type=int, default=16)
+    parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient")
+    parser.add_argument("--eval-every", type=int, default=100)
+    parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "builtin")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
+
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    args.work_dir.mkdir(parents=True, exist_ok=True)
+    tok_dir = args.work_dir / "tokenizer"
+    tok = AutoTokenizer.from_pretrained(tok_dir) if (tok_dir / "tokenizer.json").exists() else train_tokenizer(tok_dir)
+
+    ids_path = args.work_dir / "train_ids.pt"
+    if not ids_path.exists():
+        ids = torch.tensor(tok(read_split("train"))["input_ids"], dtype=torch.long)
+        torch.save(ids, ids_path)
+    ids = torch.load(ids_path)
+    val_tokens = 32_768                                      # held out from the end of the train split
+    train_ids, val_ids = ids[:-val_tokens], ids[-val_tokens:]
+
+    config = DeepseekV2Config(**MODEL_SHAPE)
+    config.output_router_logits = True
+    model = DeepseekV2ForCausalLM(config)
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 50)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    gen = torch.Generator().manual_seed(args.seed)
+    step, curve = 0, []
+    ckpt = args.work_dir / "checkpoint.pt"
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        step, curve = state["step"], state["curve"]
+        print(f"resumed at step {step}")
+
+    def save_checkpoint():
+        tmp = ckpt.with_suffix(".tmp")
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                    "gen": gen.get_state(), "step": step, "curve": curve}, tmp)
+        os.replace(tmp, ckpt)
+
+    stream = batches(train_ids, args.seq_len, args.batch_size, gen)
+    deadline = time.time() + args.max_minutes * 60
+    bar = tqdm(total=args.steps, initial=step, desc="train")
+    model.train()
+    while step < args.steps and time.time() < deadline:
+        batch = next(stream)
+        out = model(input_ids=batch, labels=batch)
+        aux = load_balancing_loss(out.router_logits, config.num_experts_per_tok)
+        loss = out.loss + args.aux_loss * aux
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{out.loss.item():.3f}", aux=f"{aux.item():.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len,
+                          "val_perplexity": evaluate(model, val_ids, args.seq_len)})
+            bar.write(json.dumps(curve[-1]))
+            save_checkpoint()
+    bar.close()
+    save_checkpoint()
+    if step < args.steps:
+        print(f"stopped at step {step} of {args.steps}: rerun the same command to resume")
+        return
+
+    MODEL_OUT.mkdir(parents=True, exist_ok=True)
+    config.output_router_logits = False
+    model.save_pretrained(MODEL_OUT, safe_serialization=True)
+    tok.save_pretrained(MODEL_OUT)
+    (MODEL_OUT / "training_curve.json").write_text(json.dumps(
+        {"args": {k: str(v) for k, v in vars(args).items()}, "curve": curve}, indent=1) + "\n")
+    print(f"saved to {MODEL_OUT}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""Activation budgets: parse what a user types and convert between fractions and counts.
+
+One *activation* is one (token, routed expert) pair in one MoE layer; shared experts and dense
+layers do not count. A budget B is activations per token summed over the MoE layers, so the full
+budget is L * K_orig and the smallest meaningful one is L (every layer keeps one expert).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from fractions import Fraction
+
+from .errors import AllocMoeError
+
+
+@dataclass(frozen=True)
+class Budget:
+    activations_per_token: float   # B: the count the allocation must not exceed
+    full: int                      # L * K_orig: the unmodified model's count
+    num_layers: int                # L: MoE layers sharing the budget
+
+    @property
+    def fraction(self) -> float:
+        return self.activations_per_token / self.full
+
+    @property
+    def per_layer(self) -> float:
+        return self.activations_per_token / self.num_layers
+
+    @classmethod
+    def parse(cls, text: str | float, num_layers: int, k_orig: int) -> "Budget":
+        """Parse "0.5", "1/2", "50%" (fractions of full) or "78" (a count).
+
+        Rule: a value with "/" or "%", or a number <= 1, is a fraction of the full budget;
+        a number > 1 is a count of activations per token.
+        """
+        full = num_layers * k_orig
+        raw = str(text).strip()
+        try:
+            if raw.endswith("%"):
+                value, is_fraction = float(Fraction(raw[:-1])) / 100, True
+            else:
+                value = float(Fraction(raw))
+                is_fraction = "/" in raw or value <= 1
+        except (ValueError, ZeroDivisionError):
+            raise AllocMoeError(
+                f"budget {raw!r} is not a number: give a fraction of the full budget (0.5, 1/2, 50%) "
+                f"or a count of activations per token (e.g. {full // 2} of {full})") from None
+        count = value * full if is_fraction else value
+        if not count > 0 or count != count:
+            raise AllocMoeError(f"budget {raw!r} must be positive: give a fraction in (0, 1] or a count "
+                                f"between {num_layers} and {full}")
+        count = round(count, 9)  # 1/3 * 36 -> 12.0, not 11.999999999999998
+        if count > full:
+            raise AllocMoeError(f"budget {raw!r} = {count:g} activations per token is above the full budget "
+                                f"{full} ({num_layers} MoE layers x K={k_orig}); give at most 1.0 or {full}")
+        if count < num_layers:
+            raise AllocMoeError(f"budget {raw!r} = {count:g} activations per token is below {num_layers}, the "
+                                f"minimum (every one of the {num_layers} MoE layers keeps at least one expert)")
+        return cls(count, full, num_layers)

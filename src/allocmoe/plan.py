@@ -1,0 +1,128 @@
+"""Plans: which policy and budget each MoE layer gets, saved as versioned JSON other tools can read.
+
+File shape (format_version 1):
+    {"format_version": 1,
+     "model": {"model_type", "num_moe_layers", "num_experts", "k_orig", "moe_layers": [indices]},
+     "budget": {"activations_per_token": B, "full": L*K_orig, "fraction": B/full},
+     "method": "alloc-moe",
+     "layers": {"1": {"k": 3, "policy": "alloc-t", "k_base": 1, "pool": "batch"}, ...},
+     "provenance": {"allocmoe_version", "created", ...}}
+Layers are keyed by the decoder layer's index in the model. `k` is the layer's average activations
+per token; fractional only for alloc-t, and a measured expectation for threshold policies.
+
+A plan is data only: loading never executes anything from the file.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+from dataclasses import dataclass, field
+from typing import Any
+
+from .errors import AllocMoeError
+from .io_utils import atomic_write_json, read_json
+from .policies import Policy, policy_from_dict, policy_to_dict
+
+FORMAT_VERSION = 1
+FINGERPRINT_KEYS = ("model_type", "num_moe_layers", "num_experts", "k_orig", "moe_layers")
+
+
+def model_fingerprint(model) -> dict[str, Any]:
+    """What a plan or profile must match: family, MoE layer indices, expert count and K_orig."""
+    from .adapters import adapter_for_model
+
+    adapter = adapter_for_model(model)
+    layers = [layer.index for layer in adapter.moe_layers(model)]
+    return {"model_type": model.config.model_type, "num_moe_layers": len(layers),
+            "num_experts": adapter.num_experts(), "k_orig": adapter.k_orig(), "moe_layers": layers}
+
+
+def check_fingerprint(found: dict[str, Any], expected: dict[str, Any], what: str) -> None:
+    """Refuse a file made for another model, naming the first field that differs."""
+    for key in FINGERPRINT_KEYS:
+        if key in found and found.get(key) != expected.get(key):
+            raise AllocMoeError(
+                f"{what} was made for another model: {key} is {found.get(key)!r} in the file but "
+                f"{expected.get(key)!r} in this model; recreate it for this model")
+
+
+@dataclass
+class Plan:
+    model: dict[str, Any]                      # fingerprint of the model the plan was made for
+    layers: dict[int, Policy]                  # decoder-layer index -> the layer's selection policy
+    method: str                                # the allocation method that made it
+    budget: float                              # B, activations per token over all MoE layers
+    provenance: dict[str, Any] = field(default_factory=dict)   # version, time, and method details
+
+    @property
+    def k_orig(self) -> int:
+        return int(self.model["k_orig"])
+
+    @property
+    def full_budget(self) -> int:
+        return int(self.model["num_moe_layers"]) * self.k_orig
+
+    def k_per_layer(self) -> dict[int, float | None]:
+        return {index: getattr(policy, "k", None) for index, policy in self.layers.items()}
+
+    def to_dict(self) -> dict[str, Any]:
+        from . import __version__
+
+        provenance = {"allocmoe_version": __version__,
+                      "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        provenance.update(self.provenance)
+        return {
+            "format_version": FORMAT_VERSION,
+            "model": dict(self.model),
+            "budget": {"activations_per_token": self.budget, "full": self.full_budget,
+                       "fraction": round(self.budget / self.full_budget, 6)},
+            "method": self.method,
+            "layers": {str(index): policy_to_dict(policy) for index, policy in sorted(self.layers.items())},
+            "provenance": provenance,
+        }
+
+    @classmethod
+    def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
+        if not isinstance(data, dict):
+            raise AllocMoeError(f"{source} is not a plan (expected a JSON object)")
+        version = data.get("format_version")
+        if version != FORMAT_VERSION:
+            raise AllocMoeError(f"{source} has format_version {version!r}; this allocmoe reads version "
+                                f"{FORMAT_VERSION}: recreate the plan with `allocmoe allocate`")
+        for key in ("model", "layers", "budget", "method"):
+            if key not in data:
+                raise AllocMoeError(f"{source} is missing the {key!r} field; recreate the plan")
+        model = data["model"]
+        if not isinstance(model, dict) or any(k not in model for k in FINGERPRINT_KEYS[:4]):
+            raise AllocMoeError(f"{source}: 'model' must hold {', '.join(FINGERPRINT_KEYS[:4])}")
+        k_orig = int(model["k_orig"])
+        layers: dict[int, Policy] = {}
+        for key, entry in dict(data["layers"]).items():
+            if not str(key).lstrip("-").isdigit():
+                raise AllocMoeError(f"{source}: layer key {key!r} is not a layer index")
+            layers[int(key)] = policy_from_dict(entry, k_orig, where=f"{source}, layer {key}")
+        if len(layers) != int(model["num_moe_layers"]):
+            raise AllocMoeError(f"{source} has {len(layers)} layer entries for {model['num_moe_layers']} MoE layers")
+        budget = data["budget"]
+        if not isinstance(budget, dict) or not isinstance(budget.get("activations_per_token"), (int, float)):
+            raise AllocMoeError(f"{source}: budget.activations_per_token must be a number")
+        return cls(model=model, layers=layers, method=str(data["method"]),
+                   budget=float(budget["activations_per_token"]), provenance=dict(data.get("provenance", {})))
+
+    def save(self, path) -> None:
+        atomic_write_json(path, self.to_dict())
+
+    @classmethod
+    def load(cls, path, model=None) -> "Plan":
+        """Load a plan; with `model`, also check it was made for that model."""
+        plan = cls.from_dict(read_json(path, "plan"), source=f"plan {path}")
+        if model is not None:
+            plan.check_model(model)
+        return plan
+
+    def check_model(self, model) -> None:
+        expected = model_fingerprint(model)
+        check_fingerprint(self.model, expected, "the plan")
+        missing = set(expected["moe_layers"]) - set(self.layers)
+        if missing:
+            raise AllocMoeError(f"the plan has no entry for MoE layer(s) {sorted(missing)}; recreate it")

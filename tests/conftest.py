@@ -1,0 +1,60 @@
+"""Tiny random MoE models of every supported family, built in-test from transformers configs."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
+              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+
+FAMILIES = {
+    "mixtral": dict(num_local_experts=8, num_experts_per_tok=2),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=16,
+                      shared_expert_intermediate_size=24, norm_topk_prob=False, decoder_sparse_step=1,
+                      mlp_only_layers=[0]),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=4, moe_intermediate_size=16, norm_topk_prob=True,
+                      head_dim=8),
+    "olmoe": dict(num_experts=8, num_experts_per_tok=4, norm_topk_prob=False),
+    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=16,
+                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=None, num_key_value_heads=4,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=1.5,
+                        n_group=4, topk_group=2, topk_method="group_limited_greedy"),
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=4, moe_intermediate_size=16,
+                        n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=24, num_key_value_heads=4,
+                        qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, routed_scaling_factor=2.5,
+                        n_group=4, topk_group=2, norm_topk_prob=True),
+    "gpt_oss": dict(num_local_experts=8, num_experts_per_tok=4, head_dim=8, sliding_window=16,
+                    layer_types=["sliding_attention", "full_attention", "sliding_attention"]),
+    "granitemoe": dict(num_local_experts=8, num_experts_per_tok=4),
+    "granitemoeshared": dict(num_local_experts=8, num_experts_per_tok=4, shared_intermediate_size=24),
+}
+
+
+def build_tiny(model_type: str, seed: int = 0, **overrides):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type], **overrides})
+    model = AutoModelForCausalLM.from_config(config).eval()
+    with torch.no_grad():   # random routers: spread the logits so rankings are far from ties
+        for name, param in model.named_parameters():
+            if name.endswith(("gate.weight", "router.weight")) and param.dim() == 2:
+                param.normal_(0, 1.0)
+            if name.endswith("e_score_correction_bias"):
+                param.normal_(0, 0.1)
+        for name, buf in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buf.normal_(0, 0.1)
+    return model
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def family_model(request):
+    return request.param, build_tiny(request.param)
+
+
+@pytest.fixture
+def ids():
+    torch.manual_seed(1)
+    return torch.randint(0, COMMON["vocab_size"], (2, 12))

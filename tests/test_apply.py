@@ -1,0 +1,140 @@
+"""apply_plan on tiny random models of every family, against the unpatched model."""
+
+import math
+
+import pytest
+import torch
+
+from allocmoe import AllocT, AllocMoeError, Plan, StaticTopK, apply_plan, model_fingerprint, static_plan
+from conftest import build_tiny
+
+
+def plan_of(model, policy_for_layer):
+    fp = model_fingerprint(model)
+    layers = {i: policy_for_layer(i) for i in fp["moe_layers"]}
+    return Plan(model=fp, layers=layers, method="test", budget=sum(p.k for p in layers.values()))
+
+
+@torch.no_grad()
+def test_plan_at_k_orig_reproduces_the_unpatched_logits_and_removal_restores_them(family_model, ids):
+    _, model = family_model
+    fp = model_fingerprint(model)
+    reference = model(ids).logits
+    for policy in (StaticTopK(fp["k_orig"]), AllocT(fp["k_orig"], k_base=1)):
+        with apply_plan(model, plan_of(model, lambda i: policy)) as handle:
+            patched = model(ids).logits
+            assert handle.activations_per_token() == pytest.approx(fp["k_orig"] * fp["num_moe_layers"])
+        assert (patched - reference).abs().max() <= 1e-5
+        assert torch.equal(model(ids).logits, reference)
+
+
+@torch.no_grad()
+def test_alloc_t_with_k_base_equal_to_k_is_static_top_k(family_model, ids):
+    _, model = family_model
+    with apply_plan(model, plan_of(model, lambda i: StaticTopK(1))):
+        static = model(ids).logits
+    with apply_plan(model, plan_of(model, lambda i: AllocT(1, k_base=1))):
+        alloc_t = model(ids).logits
+    assert (static - alloc_t).abs().max() <= 1e-6
+
+
+@torch.no_grad()
+def test_alloc_t_spends_round_k_times_t_per_layer_on_a_prefix_of_each_ranking(family_model, ids):
+    _, model = family_model
+    fp = model_fingerprint(model)
+    k_orig, num_tokens = fp["k_orig"], ids.numel()
+    ks = {i: 1 + (n * 0.7) % (k_orig - 1) for n, i in enumerate(fp["moe_layers"])}
+    seen = {}
+    handle = apply_plan(model, plan_of(model, lambda i: AllocT(ks[i], k_base=1)))
+    handle.context.recorders.append(lambda layer, cand, counts, valid: seen.setdefault(layer, (cand, counts)))
+    model(ids)
+    handle.remove()
+    for index, k in ks.items():
+        cand, counts = seen[index]
+        assert int(counts.sum()) == math.floor(k * num_tokens + 0.5)
+        assert counts.min() >= 1 and counts.max() <= k_orig
+        assert torch.all(cand[:, :-1] >= cand[:, 1:])                      # candidates are the ranking, best first
+    assert handle.layer_activations()[fp["moe_layers"][0]] == pytest.approx(
+        math.floor(ks[fp["moe_layers"][0]] * num_tokens + 0.5) / num_tokens)
+
+
+@torch.no_grad()
+def test_fewer_experts_change_the_output_and_static_counts_are_exact(family_model, ids):
+    _, model = family_model
+    fp = model_fingerprint(model)
+    reference = model(ids).logits
+    with apply_plan(model, static_plan(model, [1] * fp["num_moe_layers"])) as handle:
+        cut = model(ids).logits
+        assert handle.activations_per_token() == fp["num_moe_layers"]
+    assert (cut - reference).abs().max() > 1e-4
+
+
+@torch.no_grad()
+def test_generate_runs_under_a_plan_and_padding_is_not_counted():
+    model = build_tiny("deepseek_v2")
+    ids = torch.randint(1, 96, (2, 6))
+    mask = torch.ones_like(ids)
+    ids[0, :2], mask[0, :2] = 0, 0                                          # left padding in row 0
+    fp = model_fingerprint(model)
+    with apply_plan(model, plan_of(model, lambda i: AllocT(2.5, k_base=1))) as handle:
+        out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=4, do_sample=False,
+                             pad_token_id=0)
+        assert out.shape == (2, 10)
+        real_tokens = int(mask.sum()) + 2 * 3                               # prompt + 3 decode steps of 2
+        assert handle.tokens_seen() == real_tokens
+        per_layer = handle.layer_activations()
+    for index in fp["moe_layers"]:
+        assert 1 <= per_layer[index] <= fp["k_orig"]
+
+
+def dense_reference(experts, hidden, index, weights):
+    """Every expert on every token, times a dense [T, E] weight matrix that is 0 where unselected."""
+    num_experts = experts.gate_up_proj.size(0)
+    dense_w = torch.zeros(hidden.size(0), num_experts + 1).scatter_add_(1, index, weights.float())[:, :num_experts]
+    out = torch.zeros_like(hidden)
+    for e in range(num_experts):
+        gate, up = (hidden @ experts.gate_up_proj[e].T).chunk(2, dim=-1)
+        out += (experts.act_fn(gate) * up) @ experts.down_proj[e].T * dense_w[:, e:e + 1]
+    return out
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_moe", "mixtral"])
+@torch.no_grad()
+def test_compacted_execution_equals_a_dense_masked_reference(model_type):
+    from allocmoe.experts import compact_experts_forward
+
+    model = build_tiny(model_type)
+    experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")][0]
+    torch.manual_seed(0)
+    hidden = torch.randn(10, 32)
+    num_experts = experts.gate_up_proj.size(0)
+    index = torch.stack([torch.randperm(num_experts)[:3] for _ in range(10)])
+    index[torch.rand(10, 3) < 0.4] = num_experts                           # sentinel: not selected
+    weights = torch.rand(10, 3).masked_fill(index == num_experts, 0.0)
+    out = compact_experts_forward(experts, hidden, index, weights)
+    assert torch.allclose(out, dense_reference(experts, hidden, index, weights), atol=1e-5)
+
+
+def test_a_plan_for_another_model_is_refused():
+    small = build_tiny("qwen3_moe")
+    other = build_tiny("olmoe")
+    plan = static_plan(small, [2, 2, 2])
+    with pytest.raises(AllocMoeError, match="made for another model: model_type"):
+        apply_plan(other, plan)
+
+
+def test_unsupported_architecture_is_refused_with_the_supported_list():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model(
+        "llama", vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2))
+    with pytest.raises(AllocMoeError, match=r"unsupported architecture 'llama'.*supported: deepseek_v2"):
+        apply_plan(dense, static_plan(build_tiny("olmoe"), [2, 2, 2]))
+
+
+def test_applying_twice_is_refused():
+    model = build_tiny("olmoe")
+    plan = static_plan(model, [2, 2, 2])
+    with apply_plan(model, plan):
+        with pytest.raises(AllocMoeError, match="already applied"):
+            apply_plan(model, plan)
