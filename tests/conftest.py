@@ -5,6 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+torch.set_num_threads(1)   # tiny models gain nothing from more; keeps the suite steady on 2 shared cores
+
 COMMON = dict(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
 
@@ -58,3 +60,29 @@ def family_model(request):
 def ids():
     torch.manual_seed(1)
     return torch.randint(0, COMMON["vocab_size"], (2, 12))
+
+
+def train_tiny_tokenizer(folder, vocab_size: int = 300):
+    """A byte-level BPE trained in a second on the built-in calibration text."""
+    from tokenizers import ByteLevelBPETokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    from allocmoe.texts import read_text
+
+    text, _ = read_text(None, "calibration")
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator([text[:200_000]], vocab_size=vocab_size, special_tokens=["<|endoftext|>"],
+                            show_progress=False)
+    tok = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    tok.save_pretrained(folder)
+    return tok
+
+
+@pytest.fixture(scope="session")
+def tiny_folder(tmp_path_factory):
+    """A tiny deepseek_v2 model folder with a tokenizer, as a user would point --model at."""
+    folder = tmp_path_factory.mktemp("tiny_deepseek")
+    tok = train_tiny_tokenizer(folder)
+    model = build_tiny("deepseek_v2", vocab_size=len(tok), num_hidden_layers=4, max_position_embeddings=64)
+    model.save_pretrained(folder)
+    return folder

@@ -46,7 +46,7 @@ def test_alloc_t_spends_round_k_times_t_per_layer_on_a_prefix_of_each_ranking(fa
     ks = {i: 1 + (n * 0.7) % (k_orig - 1) for n, i in enumerate(fp["moe_layers"])}
     seen = {}
     handle = apply_plan(model, plan_of(model, lambda i: AllocT(ks[i], k_base=1)))
-    handle.context.recorders.append(lambda layer, cand, counts, valid: seen.setdefault(layer, (cand, counts)))
+    handle.context.recorders.append(lambda layer, idx, cand, counts, valid: seen.setdefault(layer, (cand, counts)))
     model(ids)
     handle.remove()
     for index, k in ks.items():

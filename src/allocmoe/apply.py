@@ -25,8 +25,9 @@ from .experts import compact_experts_forward
 from .plan import Plan
 from .policies import Policy, StaticTopK, prefix_mask
 
-# Called as fn(layer_index, cand_probs [T, K], counts [T], valid [T]) on every routed pass.
-Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor], None]
+# Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
+# routed pass: each token's ranked candidates, their probabilities, and how many it keeps.
+Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 _MARK = "_allocmoe_patched"
 
 
@@ -77,7 +78,7 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig
         weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
         stats.add(counts, valid)
         for record in ctx.recorders:
-            record(layer.index, cand_probs, counts, valid)
+            record(layer.index, cand_idx, cand_probs, counts, valid)
         return scores.logits, weights, index.masked_fill(~keep, num_experts)
 
     return forward
@@ -170,3 +171,21 @@ def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], metho
         k_per_layer = dict(zip(indices, k_per_layer))
     layers = {index: StaticTopK(int(k)) for index, k in k_per_layer.items()}
     return Plan(model=fingerprint, layers=layers, method=method, budget=float(sum(k_per_layer.values())))
+
+
+class routed_experts_off:
+    """Context manager: every MoE layer's routed experts contribute nothing (routers and shared
+    experts still run). Used to time the part of a forward pass that no budget can remove."""
+
+    def __init__(self, model: nn.Module):
+        self._experts = [layer.experts for layer in adapter_for_model(model).moe_layers(model)]
+
+    def __enter__(self):
+        for experts in self._experts:
+            experts.forward = lambda hidden_states, *args, **kwargs: torch.zeros_like(hidden_states)
+        return self
+
+    def __exit__(self, *exc):
+        for experts in self._experts:
+            if "forward" in experts.__dict__:
+                del experts.forward

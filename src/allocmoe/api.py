@@ -1,0 +1,39 @@
+"""High-level helpers behind the CLI that are also handy from Python."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from .apply import apply_plan
+from .evaluate.perplexity import PerplexityConfig, evaluate_perplexity
+from .models import load_model
+from .plan import Plan, model_fingerprint
+from .texts import read_text
+
+
+def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLike | Plan | None = None,
+                   text: str | os.PathLike | None = None, seq_len: int | None = None,
+                   max_tokens: int | None = None, batch_size: int = 4,
+                   trust_remote_code: bool = False) -> dict[str, Any]:
+    """Perplexity of a model folder (default: built-in) with an optional plan, on a text file
+    (default: the built-in test split). Returns the JSON-ready result."""
+    config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+    body, text_name = read_text(text, "test")
+    net, tok = load_model(model, trust_remote_code=trust_remote_code)
+    if plan is not None and not isinstance(plan, Plan):
+        plan = Plan.load(plan, net)
+    fingerprint = model_fingerprint(net)
+    full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
+    if plan is None:
+        result = evaluate_perplexity(net, tok, body, config)
+        measured, per_layer = full, {str(i): float(fingerprint["k_orig"]) for i in fingerprint["moe_layers"]}
+    else:
+        with apply_plan(net, plan) as handle:
+            result = evaluate_perplexity(net, tok, body, config)
+            measured = handle.activations_per_token()
+            per_layer = {str(i): v for i, v in handle.layer_activations().items()}
+    return {**result.to_dict(), "activations_per_token": measured, "full_activations_per_token": full,
+            "budget_fraction_measured": measured / full, "activations_per_layer": per_layer,
+            "plan": None if plan is None else {"method": plan.method, "budget": plan.budget},
+            "text": text_name, "model": fingerprint}

@@ -1,0 +1,262 @@
+"""Prefill and decode latency of the unmodified model, a plan, and the model with routed experts
+off, measured side by side (interleaved, after warm-up) in one run.
+
+The experts-off time is what no budget can remove (attention, routers, shared experts, head);
+from it the ideal speedup at the plan's measured budget fraction b is
+    t_full / (t_off + b * (t_full - t_off)).
+Prefill = one forward over the whole prompt (logits of the last position only); decode = per
+generated token with the KV cache, greedy. CPU timings use perf_counter; CUDA synchronises.
+"""
+
+from __future__ import annotations
+
+import platform
+import resource
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .apply import apply_plan, routed_experts_off
+from .errors import AllocMoeError
+
+
+@dataclass
+class BenchConfig:
+    input_len: int = 256            # prompt tokens per sequence
+    output_len: int = 32            # decode steps timed per repeat
+    batch_size: int = 1             # sequences per batch
+    repeats: int = 5                # timed rounds (each config once per round, interleaved)
+    warmup: int = 1                 # untimed rounds first
+
+    def __post_init__(self):
+        for name, value in asdict(self).items():
+            low = 0 if name == "warmup" else 1
+            if not isinstance(value, int) or value < low:
+                raise AllocMoeError(f"{name.replace('_', '-')} must be a whole number >= {low}, got {value!r}")
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def _prefill(model, ids):
+    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
+    return out
+
+
+@torch.no_grad()
+def time_once(model, ids: torch.Tensor, output_len: int) -> tuple[float, float]:
+    """(prefill seconds, decode seconds per token) for one prompt batch."""
+    device = ids.device
+    _sync(device)
+    t0 = time.perf_counter()
+    out = _prefill(model, ids)
+    _sync(device)
+    prefill = time.perf_counter() - t0
+    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    next_ids = out.logits[:, -1:].argmax(-1)
+    mask = torch.ones(ids.size(0), ids.size(1) + output_len, dtype=torch.long, device=device)
+    _sync(device)
+    t0 = time.perf_counter()
+    for step in range(output_len):
+        out = model(input_ids=next_ids, cache=cache, use_cache=True,
+                    attention_mask=mask[:, : ids.size(1) + step + 1])
+        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        next_ids = out.logits[:, -1:].argmax(-1)
+    _sync(device)
+    return prefill, (time.perf_counter() - t0) / output_len
+
+
+def _summary(samples: list[float]) -> dict[str, float]:
+    ordered = sorted(samples)
+    return {"median": statistics.median(ordered), "min": ordered[0], "max": ordered[-1],
+            "iqr": (ordered[(3 * len(ordered)) // 4] - ordered[len(ordered) // 4]) if len(ordered) > 1 else 0.0}
+
+
+def check_memory(model, config: BenchConfig) -> None:
+    """Refuse, before allocating, a batch whose KV cache and activations will not fit."""
+    c = model.config
+    param = next(model.parameters())
+    elem = param.element_size()
+    tokens = config.batch_size * (config.input_len + config.output_len)
+    per_token_kv = 2 * c.num_hidden_layers * c.hidden_size * elem * 2       # generous: K and V, MLA expanded
+    peak_acts = config.batch_size * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
+    need = tokens * per_token_kv + peak_acts
+    if param.device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(param.device)
+    else:
+        import os
+
+        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    if need > free * 0.9:
+        raise AllocMoeError(f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens needs about "
+                            f"{need / 2**30:.1f} GiB for cache and activations but {free / 2**30:.1f} GiB is free; "
+                            "lower --batch-size or --input-len")
+
+
+def _distinct_experts(model, plan, ids, steps: int) -> float:
+    """Mean over decode steps and MoE layers of distinct routed experts used by the batch."""
+    seen: list[int] = []
+
+    def record(layer, cand_idx, cand_probs, counts, valid):
+        keep = torch.arange(cand_idx.size(1), device=cand_idx.device)[None, :] < counts[:, None]
+        seen.append(int(cand_idx[keep & valid[:, None]].unique().numel()))
+
+    with apply_plan(model, plan) as handle:
+        handle.context.recorders.append(record)
+        out = _prefill(model, ids)
+        seen.clear()
+        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        next_ids = out.logits[:, -1:].argmax(-1)
+        for _ in range(steps):
+            out = model(input_ids=next_ids, cache=cache, use_cache=True)
+            cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+            next_ids = out.logits[:, -1:].argmax(-1)
+    return sum(seen) / max(len(seen), 1)
+
+
+def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = False,
+              progress: bool = True) -> dict[str, Any]:
+    """Time full / plan / experts-off side by side; returns the JSON-ready result."""
+    from . import __version__
+    from .apply import static_plan
+    from .plan import model_fingerprint
+
+    config = config or BenchConfig()
+    check_memory(model, config)
+    device = next(model.parameters()).device
+    vocab = model.config.vocab_size
+    gen = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, vocab, (config.batch_size, config.input_len), generator=gen).to(device)
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+
+    def run(name):
+        if name == "full":
+            return time_once(model, ids, config.output_len)
+        if name == "off":
+            with routed_experts_off(model):
+                return time_once(model, ids, config.output_len)
+        with apply_plan(model, plan) as handle:
+            timing = time_once(model, ids, config.output_len)
+            measured[0] = handle.activations_per_token()
+            return timing
+
+    measured = [0.0]
+    samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in ("full", "plan", "off")}
+    rounds = config.warmup + config.repeats
+    for r in range(rounds):
+        order = ("full", "plan", "off") if r % 2 == 0 else ("off", "plan", "full")   # interleaved, alternating
+        for name in order:
+            prefill, decode = run(name)
+            if r >= config.warmup:
+                samples[name]["prefill"].append(prefill)
+                samples[name]["decode"].append(decode)
+        if progress:
+            print(f"bench: round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}", file=sys.stderr)
+
+    fingerprint = model_fingerprint(model)
+    full_budget = fingerprint["num_moe_layers"] * fingerprint["k_orig"]
+    fraction = measured[0] / full_budget
+    timings = {n: {phase: _summary(v) for phase, v in phases.items()} for n, phases in samples.items()}
+    result: dict[str, Any] = {"model": fingerprint, "synthetic": synthetic,
+                              "plan": {"method": plan.method, "budget": plan.budget},
+                              "measured_activations_per_token": measured[0], "budget_fraction": fraction,
+                              "settings": asdict(config)}
+    for phase in ("prefill", "decode"):
+        t_full = timings["full"][phase]["median"]
+        t_plan = timings["plan"][phase]["median"]
+        t_off = timings["off"][phase]["median"]
+        ideal = t_full / (t_off + fraction * (t_full - t_off))
+        result[f"{phase}_speedup"] = t_full / t_plan
+        result[f"{phase}_ideal_speedup"] = ideal
+        result[f"{phase}_fraction_of_ideal"] = (t_full / t_plan - 1) / (ideal - 1) if ideal > 1 else None
+    result["timings_seconds"] = timings
+    if config.batch_size > 1:
+        full_plan = static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])
+        steps = min(config.output_len, 8)
+        result["distinct_experts_per_decode_step"] = {"full": _distinct_experts(model, full_plan, ids, steps),
+                                                      "plan": _distinct_experts(model, plan, ids, steps),
+                                                      "num_experts": fingerprint["num_experts"]}
+    result["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    result["environment"] = {
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
+        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "allocmoe": __version__,
+        "python": platform.python_version()}
+    if synthetic:
+        result["note"] = "synthetic model with random weights: timings are real, quality numbers are meaningless"
+    return result
+
+
+def add_bench_parser(sub, add_model) -> None:
+    p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
+    add_model(p)
+    p.set_defaults(batch_size=1)
+    p.add_argument("--plan", default=None, help="plan JSON to time")
+    p.add_argument("--budget", default=None, help="or make a plan: budget (fraction or count)")
+    p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t, ascending, descending")
+    p.add_argument("--k-base", type=int, default=1, help="Alloc-T k_base (default 1)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--output-len", type=int, default=32, help="decode steps timed (default 32)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
+    p.add_argument("--num-layers", type=int, default=None, help="synthetic models: decoder layers to build")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--output-json", default=None, help="also write the result here")
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_bench(args) -> None:
+    from .cli import _emit
+    from .methods import allocate
+    from .models import load_model
+    from .plan import Plan
+    from .synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
+
+    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
+                         repeats=args.repeats, warmup=args.warmup)
+    if (args.plan is None) == (args.budget is None):
+        raise AllocMoeError("give either --plan PLAN.json or --budget B (with --method)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise AllocMoeError("--device cuda asked for, but CUDA is not available here")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    torch.set_grad_enabled(False)
+    synthetic = str(args.model or "").startswith(PREFIX)
+    if synthetic:
+        cfg = synthetic_config(args.model, args.num_layers)
+        need = parameter_bytes(cfg, dtype)
+        if device == "cpu":
+            import os
+
+            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            if need > 0.8 * free:
+                raise AllocMoeError(f"{args.model} with {cfg.num_hidden_layers} layers needs {need / 2**30:.1f} GiB "
+                                    f"of weights, {free / 2**30:.1f} GiB is free; pass a smaller --num-layers")
+        model = build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
+    else:
+        model, _ = load_model(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    if args.plan:
+        plan = Plan.load(args.plan, model)
+    else:
+        if args.method not in ("uniform", "alloc-t", "ascending", "descending"):
+            raise AllocMoeError(f"--budget with --method {args.method!r} needs a profile or calibration: make a "
+                                "plan with `allocmoe allocate` and pass --plan (speed depends on the budget, "
+                                "not on which layers get it: alloc-t times the same work as alloc-moe)")
+        plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
+    result = benchmark(model, plan, config, synthetic=synthetic)
+    _emit(result, args.output_json)
+    print(f"prefill {result['prefill_speedup']:.3f}x (ideal {result['prefill_ideal_speedup']:.3f}x), "
+          f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "
+          f"at {result['measured_activations_per_token']:.2f} of "
+          f"{result['model']['num_moe_layers'] * result['model']['k_orig']} activations/token", file=sys.stderr)

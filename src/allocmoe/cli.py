@@ -1,0 +1,185 @@
+"""Command line: a thin shell over the Python API, one public call per subcommand.
+
+    allocmoe profile  [--model M] [--calib-text F] [--seq-len N] [--max-tokens N] --output PROFILE.json
+    allocmoe allocate [--model M] [--profile P] [--calib-text F] --budget B --method NAME [--k-base N] --output PLAN.json
+    allocmoe eval     [--model M] [--plan P] [--text F] [--output-json FILE]
+    allocmoe sweep    [--model M] [--calib-text F] [--text F] [--budgets ...] [--methods ...] [--output-dir DIR]
+    allocmoe bench    [--model M|synthetic:NAME] [--plan P | --budget B --method NAME] ...
+
+Bad input prints one line, `allocmoe: error: ...`, and exits 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from .errors import AllocMoeError
+
+
+def _add_model(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in model)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own Python code")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: min(2048, model limit))")
+
+
+def _load(args):
+    from .models import load_model
+
+    return load_model(args.model, trust_remote_code=args.trust_remote_code)
+
+
+def _emit(obj, path: str | None) -> None:
+    from .io_utils import atomic_write_json
+
+    if path:
+        atomic_write_json(path, obj)
+        print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(obj, indent=2))
+
+
+def cmd_profile(args) -> None:
+    from .profile import ProfileConfig, profile_sensitivity
+    from .texts import read_text
+
+    text, name = read_text(args.calib_text, "calibration")
+    config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size)
+    model, tok = _load(args)
+    profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
+    print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
+
+
+def cmd_allocate(args) -> None:
+    from .methods import MODEL_METHODS, PROFILE_METHODS, AllocateConfig, allocate
+    from .profile import ProfileConfig, load_profile, profile_sensitivity
+    from .texts import read_text
+
+    config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.max_tokens,
+                            seq_len=args.seq_len, batch_size=args.batch_size)
+    model = tok = None
+    needs_model = args.method in MODEL_METHODS or args.profile is None
+    if needs_model:
+        model, tok = _load(args)
+    profile = load_profile(args.profile, model) if args.profile else None
+    text = None
+    if args.method in MODEL_METHODS + PROFILE_METHODS:
+        text, name = read_text(args.calib_text, "calibration")
+        if profile is None and args.method in PROFILE_METHODS + ("auto",):
+            print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
+            profile = profile_sensitivity(model, tok, text, ProfileConfig(
+                seq_len=args.seq_len, max_tokens=args.max_tokens, batch_size=args.batch_size), calib_name=name)
+    plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok, calib_text=text,
+                    config=config)
+    plan.save(args.output)
+    ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
+    print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",
+          file=sys.stderr)
+
+
+def cmd_eval(args) -> None:
+    from .api import evaluate_model
+
+    result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
+                            max_tokens=args.max_tokens, batch_size=args.batch_size,
+                            trust_remote_code=args.trust_remote_code)
+    _emit(result, args.output_json)
+
+
+def cmd_sweep(args) -> None:
+    from .profile import ProfileConfig, load_profile
+    from .sweep import SweepConfig, sweep
+    from .texts import read_text
+
+    config = SweepConfig(
+        budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        eval_max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
+        profile=ProfileConfig(max_tokens=args.calib_max_tokens))
+    calib, calib_name = read_text(args.calib_text, "calibration")
+    text, text_name = read_text(args.text, "test")
+    model, tok = _load(args)
+    profile = load_profile(args.profile, model) if args.profile else None
+    results = sweep(model, tok, calib, text, config, output_dir=args.output_dir, profile=profile,
+                    text_names=(calib_name, text_name))
+    from .report import markdown_table
+
+    print(markdown_table(results))
+    print(f"wrote {args.output_dir}/results.json, results.md, quality_vs_activations.png, allocations.png",
+          file=sys.stderr)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from . import __version__
+    from .methods import METHODS
+
+    parser = argparse.ArgumentParser(prog="allocmoe", description="Budget-aware expert activation for MoE models.")
+    parser.add_argument("--version", action="version", version=f"allocmoe {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("profile", help="allocation-isolating sensitivity profile (slow, resumable)")
+    _add_model(p)
+    p.add_argument("--calib-text", default=None, help="UTF-8 calibration text (default: built-in calibration split)")
+    p.add_argument("--max-tokens", type=int, default=8192, help="calibration tokens per configuration (8192)")
+    p.add_argument("--output", required=True, help="profile JSON to write")
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("allocate", help="turn a budget (and a profile) into a plan")
+    _add_model(p)
+    p.add_argument("--profile", default=None, help="profile JSON (needed by alloc-moe, alloc-l, auto)")
+    p.add_argument("--calib-text", default=None, help="calibration text for top-p, naee, auto, profiling")
+    p.add_argument("--budget", required=True, help="fraction of full (0.5, 1/2, 50%%) or count (78)")
+    p.add_argument("--method", default="auto", choices=METHODS, help="allocation method (default: auto)")
+    p.add_argument("--k-base", type=int, default=1, help="Alloc-T: experts every token keeps (default 1)")
+    p.add_argument("--pool", default="batch", choices=("batch", "sequence"), help="Alloc-T pool extent")
+    p.add_argument("--max-tokens", type=int, default=8192, help="calibration tokens (8192)")
+    p.add_argument("--output", required=True, help="plan JSON to write")
+    p.set_defaults(func=cmd_allocate)
+
+    p = sub.add_parser("eval", help="perplexity with or without a plan")
+    _add_model(p)
+    p.add_argument("--plan", default=None, help="plan JSON to apply (default: the unmodified model)")
+    p.add_argument("--text", default=None, help="UTF-8 text to score (default: built-in test split)")
+    p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
+    p.add_argument("--output-json", default=None, help="also write the result here")
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("sweep", help="budgets x methods table with plots (the main job)")
+    _add_model(p)
+    p.add_argument("--profile", default=None, help="reuse this profile instead of profiling")
+    p.add_argument("--calib-text", default=None, help="calibration text (default: built-in calibration split)")
+    p.add_argument("--text", default=None, help="evaluation text (default: built-in test split)")
+    p.add_argument("--budgets", default="1/3,1/2,2/3,5/6", help="comma-separated budgets (default 1/3,1/2,2/3,5/6)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (default: all)")
+    p.add_argument("--k-base", type=int, default=1, help="Alloc-T k_base (default 1)")
+    p.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens per row (16384)")
+    p.add_argument("--calib-max-tokens", type=int, default=8192, help="calibration tokens (8192)")
+    p.add_argument("--output-dir", default="allocmoe-sweep", help="folder for results (default allocmoe-sweep)")
+    p.set_defaults(func=cmd_sweep)
+
+    from .bench import add_bench_parser
+
+    add_bench_parser(sub, _add_model)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        args.func(args)
+    except AllocMoeError as exc:
+        print(f"allocmoe: error: {exc}", file=sys.stderr)
+        sys.exit(2)
+    except KeyboardInterrupt:
+        print("allocmoe: interrupted (a profile resumes from its .partial.json when rerun)", file=sys.stderr)
+        sys.exit(130)
+    except MemoryError:
+        print("allocmoe: error: out of memory; lower --batch-size or --seq-len", file=sys.stderr)
+        sys.exit(2)
+
+
+if __name__ == "__main__":
+    main()

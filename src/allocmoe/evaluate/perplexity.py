@@ -1,0 +1,87 @@
+"""Token-level perplexity, the recipe papers quote: the text is joined, tokenised once, and cut
+into non-overlapping windows of `seq_len` tokens; every token after a window's first is scored.
+
+Not lm-eval's `wikitext` task, which reports word and byte perplexity.
+Windows are batched `batch_size` at a time; with a plan applied, an Alloc-T pool spans the batch.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import torch
+from tqdm import tqdm
+
+from ..config import checked_config
+from ..errors import AllocMoeError
+
+MIN_TOKENS = 16
+
+
+@dataclass
+class PerplexityConfig:
+    seq_len: int | None = None      # window length; None = min(2048, the model's position limit)
+    max_tokens: int | None = None   # score only the first N tokens of the text (None = all of it)
+    batch_size: int = 4             # windows per forward pass (also the Alloc-T pool's extent)
+    progress: bool = True           # show a progress bar
+
+    def __post_init__(self):
+        for name in ("seq_len", "max_tokens", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (2 if name == "seq_len" else 1)):
+                raise AllocMoeError(f"{name.replace('_', '-')} must be a positive whole number, got {value!r}")
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float               # exp(mean negative log-likelihood per scored token)
+    nll: float                      # mean negative log-likelihood per scored token (nats)
+    tokens: int                     # tokens scored
+    windows: int
+    seq_len: int
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def default_seq_len(model) -> int:
+    limit = getattr(model.config, "max_position_embeddings", None) or 2048
+    return int(min(2048, limit))
+
+
+def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
+    """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window)."""
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    if max_tokens is not None:
+        ids = ids[:max_tokens]
+    if len(ids) < MIN_TOKENS:
+        raise AllocMoeError(f"the text is too short: {len(ids)} tokens, at least {MIN_TOKENS} are needed")
+    ids = torch.tensor(ids, dtype=torch.long)
+    if ids.numel() < seq_len:
+        return ids[None, :]
+    return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+
+
+@torch.no_grad()
+def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | dict | None = None,
+                        windows: torch.Tensor | None = None) -> PerplexityResult:
+    """Perplexity of `model` (with whatever plan is applied to it) on `text`.
+    Pass pre-cut `windows` [N, S] to skip tokenisation when scoring one text many times."""
+    config = checked_config(PerplexityConfig, config)
+    seq_len = config.seq_len or default_seq_len(model)
+    if windows is None:
+        windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens)
+    device = next(model.parameters()).device
+    total_nll, total_tokens = 0.0, 0
+    batches = windows.split(config.batch_size)
+    for batch in tqdm(batches, desc="perplexity", unit="batch", disable=not config.progress, leave=False):
+        batch = batch.to(device)
+        logits = model(input_ids=batch).logits[:, :-1].float()                 # [b, S-1, V]
+        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
+                                                reduction="sum")
+        total_nll += float(nll)
+        total_tokens += batch[:, 1:].numel()
+    mean = total_nll / total_tokens
+    return PerplexityResult(perplexity=math.exp(mean), nll=mean, tokens=total_tokens,
+                            windows=int(windows.size(0)), seq_len=int(windows.size(1)))

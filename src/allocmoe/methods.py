@@ -1,0 +1,259 @@
+"""Allocation methods: from a budget (and a profile, or the model) to a Plan.
+
+  alloc-moe   Alloc-L's exact DP on the profile, each layer then run with Alloc-T (k_base)
+  alloc-l     the DP's K_l as static top-k
+  alloc-t     uniform K_l = B/L (may be fractional) with Alloc-T
+  uniform     static top-(B/L); a fractional B/L mixes floor and ceil across layers
+  ascending / descending   K_l rising (falling) linearly with depth, summing to floor(B)
+  lexi        data-free: output deviation of each layer alone on Gaussian inputs, same exact DP
+  top-p       one global p calibrated so measured activations match B on calibration text
+  naee        per-layer beta_l calibrated so each layer spends B/L on calibration text
+  auto        tries alloc-moe, alloc-l and alloc-t (k_base 0..2) on calibration text, keeps the best
+
+Profile-based methods (alloc-moe, alloc-l) are pure given the profile; the rest of the budget-exact
+methods need only the model's fingerprint. Threshold methods match B only on average over the
+calibration text: their real cost drifts with the input, so always report measured activations.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+
+from .apply import apply_plan, static_plan
+from .budget import Budget
+from .config import checked_config
+from .errors import AllocMoeError
+from .evaluate.perplexity import default_seq_len, evaluate_perplexity, tokenize_windows
+from .plan import Plan, check_fingerprint, model_fingerprint
+from .policies import AllocT, NaeeSkip, StaticTopK, TopP
+from .solver import solve_allocation
+
+PROFILE_METHODS = ("alloc-moe", "alloc-l")
+MODEL_METHODS = ("lexi", "top-p", "naee", "auto")
+METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "descending", "lexi", "top-p", "naee")
+
+
+@dataclass
+class AllocateConfig:
+    k_base: int = 1                 # Alloc-T: experts every token keeps (the paper's default, near-best)
+    pool: str = "batch"             # Alloc-T pool: "batch" (all tokens of a pass) or "sequence"
+    calib_max_tokens: int = 8192    # calibration tokens for top-p/naee thresholds and auto's trials
+    seq_len: int | None = None      # calibration window; None = min(2048, the model's limit)
+    batch_size: int = 4             # windows per forward pass in calibration
+    lexi_samples: int = 512         # Gaussian inputs per layer for LExI's deviation profile
+    seed: int = 0                   # LExI's input seed
+
+    def __post_init__(self):
+        if self.pool not in ("batch", "sequence"):
+            raise AllocMoeError(f"pool must be 'batch' or 'sequence', got {self.pool!r}")
+        if not isinstance(self.k_base, int) or self.k_base < 0:
+            raise AllocMoeError(f"k-base must be a whole number >= 0, got {self.k_base!r}")
+
+
+# -- budget-only allocations ---------------------------------------------------------------------
+def spread_evenly(total: int, num_layers: int) -> list[int]:
+    """Integer K_l summing to `total`, differing by at most one, the larger ones spread out."""
+    return [(i + 1) * total // num_layers - i * total // num_layers for i in range(num_layers)]
+
+
+def linear_allocation(total: int, num_layers: int, k_orig: int, ascending: bool) -> list[int]:
+    """K_l on a straight line through depth (as steep as [1, K] allows), rounded by largest
+    remainder so the sum is exactly `total`."""
+    mean = total / num_layers
+    half = min(mean - 1, k_orig - mean)
+    slope = [(-1 + 2 * i / (num_layers - 1)) if num_layers > 1 else 0.0 for i in range(num_layers)]
+    target = [min(k_orig, max(1.0, mean + half * (s if ascending else -s))) for s in slope]
+    ks = [math.floor(t) for t in target]
+    order = sorted(range(num_layers), key=lambda i: (-(target[i] - ks[i]), i))
+    for i in order[: total - sum(ks)]:
+        ks[i] += 1
+    return ks
+
+
+def _fingerprint(profile, model) -> dict[str, Any]:
+    if model is not None:
+        fingerprint = model_fingerprint(model)
+        if profile is not None:
+            check_fingerprint(profile.get("model", {}), fingerprint, "the profile")
+        return fingerprint
+    if profile is not None:
+        return profile["model"]
+    raise AllocMoeError("give a model or a profile")
+
+
+def _plan(fingerprint, policies: list, method: str, budget: Budget, **details) -> Plan:
+    layers = dict(zip(fingerprint["moe_layers"], policies))
+    return Plan(model=fingerprint, layers=layers, method=method, budget=budget.activations_per_token,
+                provenance={"details": details} if details else {})
+
+
+def _alloc_t(k: float, config: AllocateConfig, k_base: int | None = None) -> AllocT:
+    base = config.k_base if k_base is None else k_base
+    return AllocT(k=k, k_base=min(base, int(math.floor(k))), pool=config.pool)
+
+
+# -- model-based profiles ------------------------------------------------------------------------
+@torch.no_grad()
+def lexi_deviation(model, samples: int = 512, seed: int = 0) -> list[list[float]]:
+    """LExI: for each MoE layer alone, mean over Gaussian inputs of ||Y_k(x) - Y_K(x)||, k = 1..K."""
+    fingerprint = model_fingerprint(model)
+    from .adapters import adapter_for_model
+
+    layers = adapter_for_model(model).moe_layers(model)
+    k_orig = fingerprint["k_orig"]
+    param = next(model.parameters())
+    gen = torch.Generator().manual_seed(seed)
+    hidden = model.config.hidden_size
+    table = []
+    for layer in layers:
+        x = torch.randn(1, samples, hidden, generator=gen).to(param.device, param.dtype)    # [1, N, H]
+        outputs = []
+        for k in range(1, k_orig + 1):
+            ks = {index.index: (k if index.index == layer.index else k_orig) for index in layers}
+            with apply_plan(model, static_plan(model, ks)):
+                y = layer.block(x)
+            outputs.append((y[0] if isinstance(y, tuple) else y).float().squeeze(0))        # [N, H]
+        full = outputs[-1]
+        table.append([float((y - full).norm(dim=-1).mean()) for y in outputs])
+    return table
+
+
+class _CandidateRecorder:
+    """Collects each layer's sorted candidate probabilities during a full-K calibration pass."""
+
+    def __init__(self):
+        self.by_layer: dict[int, list[torch.Tensor]] = {}
+
+    def __call__(self, layer, cand_idx, cand_probs, counts, valid):
+        self.by_layer.setdefault(layer, []).append(cand_probs[valid].float().cpu())
+
+    def tables(self) -> dict[int, torch.Tensor]:
+        return {layer: torch.cat(parts) for layer, parts in self.by_layer.items()}
+
+
+def _calibration_windows(model, tokenizer, calib_text: str | None, config: AllocateConfig) -> torch.Tensor:
+    if calib_text is None or tokenizer is None:
+        raise AllocMoeError("this method needs calibration text and a tokenizer")
+    return tokenize_windows(tokenizer, calib_text, config.seq_len or default_seq_len(model), config.calib_max_tokens)
+
+
+def _candidate_tables(model, windows, config: AllocateConfig) -> dict[int, torch.Tensor]:
+    fingerprint = model_fingerprint(model)
+    recorder = _CandidateRecorder()
+    with apply_plan(model, static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])) as handle:
+        handle.context.recorders.append(recorder)
+        evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False}, windows=windows)
+    return recorder.tables()
+
+
+def _bisect(mean_count, target: float, lo: float, hi: float, increasing: bool, steps: int = 50) -> float:
+    """Threshold t in [lo, hi] with mean_count(t) closest to target (mean_count monotone in t)."""
+    best_t, best_err = lo, math.inf
+    for _ in range(steps):
+        mid = (lo + hi) / 2
+        value = mean_count(mid)
+        if abs(value - target) < best_err:
+            best_t, best_err = mid, abs(value - target)
+        if (value < target) == increasing:
+            lo = mid
+        else:
+            hi = mid
+    return best_t
+
+
+def calibrate_top_p(tables: dict[int, torch.Tensor], budget: Budget) -> tuple[float, float]:
+    """One global p so the summed mean activations over layers match B; returns (p, measured)."""
+    valid = torch.ones(1, dtype=torch.bool)
+
+    def total(p):
+        return sum(float(TopP(p).counts(t, valid.expand(t.size(0)), 1).float().mean()) for t in tables.values())
+
+    p = _bisect(total, budget.activations_per_token, 1e-6, 1.0, increasing=True)
+    return p, total(p)
+
+
+def calibrate_naee(table: torch.Tensor, target: float) -> tuple[float, float]:
+    """beta for one layer so its mean activations match `target`; returns (beta, measured)."""
+    valid = torch.ones(table.size(0), dtype=torch.bool)
+
+    def mean(beta):
+        return float(NaeeSkip(beta).counts(table, valid, 1).float().mean())
+
+    beta = _bisect(mean, target, 0.0, 1.0, increasing=False)
+    return beta, mean(beta)
+
+
+# -- the entry point -----------------------------------------------------------------------------
+def allocate(budget: str | float | Budget, method: str = "auto", *, profile: dict | None = None, model=None,
+             tokenizer=None, calib_text: str | None = None, config: AllocateConfig | dict | None = None) -> Plan:
+    """Make a plan for `budget` (fraction "0.5", count "78", or a Budget) with `method`."""
+    config = checked_config(AllocateConfig, config)
+    if method not in METHODS:
+        raise AllocMoeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
+    if method in PROFILE_METHODS + ("auto",) and profile is None:
+        raise AllocMoeError(f"method {method!r} needs a sensitivity profile: run `allocmoe profile` and pass --profile")
+    if method in MODEL_METHODS and model is None:
+        raise AllocMoeError(f"method {method!r} needs the model")
+    fingerprint = _fingerprint(profile, model)
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+    if not isinstance(budget, Budget):
+        budget = Budget.parse(budget, num_layers, k_orig)
+    total = int(math.floor(budget.activations_per_token + 1e-9))
+
+    if method == "uniform":
+        return _plan(fingerprint, [StaticTopK(k) for k in spread_evenly(total, num_layers)], method, budget)
+    if method in ("ascending", "descending"):
+        ks = linear_allocation(total, num_layers, k_orig, ascending=method == "ascending")
+        return _plan(fingerprint, [StaticTopK(k) for k in ks], method, budget)
+    if method == "alloc-t":
+        return _plan(fingerprint, [_alloc_t(budget.per_layer, config)] * num_layers, method, budget,
+                     k_base=config.k_base)
+    if method in PROFILE_METHODS:
+        ks = solve_allocation(profile["sensitivity"], budget.activations_per_token)
+        if method == "alloc-l":
+            return _plan(fingerprint, [StaticTopK(k) for k in ks], method, budget)
+        return _plan(fingerprint, [_alloc_t(k, config) for k in ks], method, budget, k_base=config.k_base)
+    if method == "lexi":
+        deviation = lexi_deviation(model, config.lexi_samples, config.seed)
+        ks = solve_allocation(deviation, budget.activations_per_token)
+        return _plan(fingerprint, [StaticTopK(k) for k in ks], method, budget, deviation=deviation)
+
+    windows = _calibration_windows(model, tokenizer, calib_text, config)
+    if method == "top-p":
+        p, measured = calibrate_top_p(_candidate_tables(model, windows, config), budget)
+        return _plan(fingerprint, [TopP(p=round(p, 6), k=None)] * num_layers, method, budget,
+                     calibrated_activations_per_token=round(measured, 4))
+    if method == "naee":
+        tables = _candidate_tables(model, windows, config)
+        policies = []
+        for index in fingerprint["moe_layers"]:
+            beta, measured = calibrate_naee(tables[index], budget.per_layer)
+            policies.append(NaeeSkip(beta=round(beta, 6), k=round(measured, 4)))
+        return _plan(fingerprint, policies, method, budget)
+    return _auto(budget, profile, model, windows, config)
+
+
+def _auto(budget: Budget, profile, model, windows, config: AllocateConfig) -> Plan:
+    """Try alloc-moe, alloc-l and alloc-t (k_base 0..2) on calibration windows; keep the best."""
+    candidates = [("alloc-l", None)]
+    for k_base in sorted({0, 1, 2, config.k_base}):
+        if k_base <= budget.per_layer:
+            candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
+    trials = []
+    for method, k_base in candidates:
+        trial_config = AllocateConfig(**{**asdict(config), "k_base": k_base if k_base is not None else config.k_base})
+        plan = allocate(budget, method, profile=profile, model=model, config=trial_config)
+        with apply_plan(model, plan):
+            ppl = evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False},
+                                      windows=windows).perplexity
+        trials.append({"method": method, "k_base": k_base, "calibration_perplexity": round(ppl, 6), "plan": plan})
+    best = min(trials, key=lambda t: t["calibration_perplexity"])
+    plan = best["plan"]
+    plan.method = "auto"
+    plan.provenance = {"details": {"chosen": {"method": best["method"], "k_base": best["k_base"]},
+                                   "trials": [{k: v for k, v in t.items() if k != "plan"} for t in trials]}}
+    return plan

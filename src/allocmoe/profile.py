@@ -1,0 +1,136 @@
+"""Allocation-isolating sensitivity profiling (Alloc-L's offline step). Slow; resumable.
+
+For MoE layer i and k in 1..K_orig the model runs with layers before i at K_orig, layer i at k and
+every deeper layer at top-1, and the calibration perplexity is recorded as S[i][k]. Forcing deeper
+layers to top-1 stops them compensating for layer i. Layer i at k=1 is the configuration of layer
+i-1 at K_orig, so those L-1 cells are measured once: L*K - (L-1) perplexity runs in all.
+
+Resuming: after every cell the finished cells are written atomically to `<output>.partial.json`
+with the arguments that produced them; a rerun with the same arguments skips them, so a run killed
+at any point recomputes at most the cell it was in.
+
+Profile file (format_version 1): {"format_version", "model": fingerprint, "k_orig", "num_layers",
+"metric": "perplexity", "calibration": {...}, "sensitivity": [[S[i][k] for k in 1..K] ...],
+"provenance": {...}}.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+from tqdm import tqdm
+
+from .apply import apply_plan, static_plan
+from .config import checked_config
+from .errors import AllocMoeError
+from .evaluate.perplexity import default_seq_len, evaluate_perplexity, tokenize_windows
+from .io_utils import atomic_write_json, read_json
+from .plan import check_fingerprint, model_fingerprint
+
+FORMAT_VERSION = 1
+
+
+@dataclass
+class ProfileConfig:
+    seq_len: int | None = None     # calibration window; None = min(2048, the model's position limit)
+    max_tokens: int = 8192         # calibration tokens scored per configuration (the paper does not say)
+    batch_size: int = 4            # windows per forward pass
+    progress: bool = True          # show a progress bar with cells done and time left
+
+    def __post_init__(self):
+        for name in ("seq_len", "max_tokens", "batch_size"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < 2):
+                raise AllocMoeError(f"{name.replace('_', '-')} must be a whole number >= 2, got {value!r}")
+
+
+def layer_configuration(layer: int, k: int, num_layers: int, k_orig: int) -> tuple[int, ...]:
+    """k per MoE layer for cell (layer, k): K_orig before, k at `layer`, 1 after."""
+    return tuple([k_orig] * layer + [k] + [1] * (num_layers - layer - 1))
+
+
+def profile_cells(num_layers: int, k_orig: int) -> dict[tuple[int, ...], list[tuple[int, int]]]:
+    """Distinct configurations to run, each with the (layer, k) cells it fills."""
+    cells: dict[tuple[int, ...], list[tuple[int, int]]] = {}
+    for layer in range(num_layers):
+        for k in range(1, k_orig + 1):
+            cells.setdefault(layer_configuration(layer, k, num_layers, k_orig), []).append((layer, k))
+    return cells
+
+
+def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig | dict | None = None,
+                        output: str | os.PathLike | None = None, calib_name: str = "text",
+                        on_cell: Callable[[int, int], None] | None = None) -> dict[str, Any]:
+    """Profile every (layer, k) cell; returns the profile dict (also written to `output` if given)."""
+    config = checked_config(ProfileConfig, config)
+    fingerprint = model_fingerprint(model)
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+    seq_len = config.seq_len or default_seq_len(model)
+    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens)
+    calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
+                   "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
+                   "seq_len": int(windows.size(1)), "max_tokens": config.max_tokens, "batch_size": config.batch_size}
+    run_key = {"model": fingerprint, "calibration": calibration}
+
+    partial_path = Path(f"{output}.partial.json") if output else None
+    done: dict[str, float] = {}
+    if partial_path and partial_path.is_file():
+        saved = read_json(partial_path, "partial profile")
+        if isinstance(saved, dict) and saved.get("key") == run_key:
+            done = {str(k): float(v) for k, v in saved.get("cells", {}).items()}
+
+    configs = profile_cells(num_layers, k_orig)
+    todo = [cfg for cfg in configs if ",".join(map(str, cfg)) not in done]
+    started = time.time()
+    bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
+               disable=not config.progress)
+    ppl_config = {"batch_size": config.batch_size, "progress": False}
+    for cfg in todo:
+        with apply_plan(model, static_plan(model, list(cfg), method="profile")):
+            ppl = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=windows).perplexity
+        done[",".join(map(str, cfg))] = ppl
+        if partial_path:
+            atomic_write_json(partial_path, {"key": run_key, "cells": done})
+        bar.update(1)
+        if on_cell:
+            on_cell(*configs[cfg][0])
+    bar.close()
+
+    sensitivity = [[0.0] * k_orig for _ in range(num_layers)]
+    for cfg, filled in configs.items():
+        for layer, k in filled:
+            sensitivity[layer][k - 1] = done[",".join(map(str, cfg))]
+    profile = {
+        "format_version": FORMAT_VERSION, "model": fingerprint, "k_orig": k_orig, "num_layers": num_layers,
+        "metric": "perplexity", "calibration": calibration, "sensitivity": sensitivity,
+        "provenance": {"configurations_run": len(configs), "seconds_this_run": round(time.time() - started, 1),
+                       "config": asdict(config), "torch_threads": torch.get_num_threads()},
+    }
+    if output:
+        atomic_write_json(output, profile)
+        if partial_path and partial_path.exists():
+            partial_path.unlink()
+    return profile
+
+
+def load_profile(path: str | os.PathLike, model=None) -> dict[str, Any]:
+    """Read and check a profile file; with `model`, refuse a profile of another model."""
+    data = read_json(path, "profile")
+    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
+        raise AllocMoeError(f"{path} is not an allocmoe profile (format_version {FORMAT_VERSION}); "
+                            "create one with `allocmoe profile`")
+    table = data.get("sensitivity")
+    num_layers, k_orig = data.get("num_layers"), data.get("k_orig")
+    if (not isinstance(table, list) or len(table) != num_layers
+            or any(not isinstance(row, list) or len(row) != k_orig for row in table)
+            or any(not isinstance(v, (int, float)) for row in table for v in row)):
+        raise AllocMoeError(f"profile {path} is corrupt: 'sensitivity' must be {num_layers} rows of {k_orig} numbers")
+    if model is not None:
+        check_fingerprint(data.get("model", {}), model_fingerprint(model), f"profile {path}")
+    return data

@@ -1,0 +1,95 @@
+"""Turn sweep results into a Markdown table and PNG plots (quality vs measured activations; the
+per-layer allocation each method chose)."""
+
+from __future__ import annotations
+
+import io
+from pathlib import Path
+from typing import Any
+
+from .io_utils import atomic_write_bytes
+
+
+def markdown_table(results: dict[str, Any]) -> str:
+    rows = results["rows"]
+    budgets = sorted({r["budget"] for r in rows})
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+    by_key = {(r["method"], r["budget"]): r for r in rows}
+    model, full, ev = results["model"], results["full"], results["evaluation"]
+    env = results.get("environment", {})
+    lines = [
+        f"Model `{model.get('name') or model['model_type']}` ({model['model_type']}, {model['num_moe_layers']} MoE "
+        f"layers, {model['num_experts']} experts, K={model['k_orig']}); full model perplexity "
+        f"**{full['perplexity']:.3f}** at {full['activations_per_token']:g} activations/token.",
+        f"Perplexity on {ev['text']} ({ev['tokens']:,} tokens, windows of {ev['seq_len']}, batch {ev['batch_size']}); "
+        f"cells show perplexity (relative change) [measured activations/token].",
+        f"Machine: {env.get('machine', '?')}, {env.get('torch_threads', '?')} threads, torch {env.get('torch', '?')}, "
+        f"transformers {env.get('transformers', '?')}; sweep took {results.get('seconds', 0):.0f} s.",
+        "",
+        "| method | " + " | ".join(f"B={by_key[(methods[0], b)]['budget_activations']:g} ({b:.0%})" for b in budgets) + " |",
+        "|---|" + "---|" * len(budgets),
+    ]
+    for method in methods:
+        cells = []
+        for b in budgets:
+            r = by_key.get((method, b))
+            if r is None:
+                cells.append("")
+                continue
+            best = min(x["perplexity"] for x in rows if x["budget"] == b)
+            text = f"{r['perplexity']:.3f} ({r['relative_change']:+.1%}) [{r['activations_per_token']:.2f}]"
+            cells.append(f"**{text}**" if r["perplexity"] == best else text)
+        lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    autos = [r for r in rows if r.get("auto_choice")]
+    if autos:
+        lines += ["", "auto chose: " + "; ".join(
+            f"B={r['budget_activations']:g}: {r['auto_choice']['method']} (k_base={r['auto_choice']['k_base']})"
+            for r in autos)]
+    return "\n".join(lines) + "\n"
+
+
+def _save_png(fig, path: Path) -> None:
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
+    """results.md, quality_vs_activations.png, allocations.png; returns the paths written."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    atomic_write_bytes(out_dir / "results.md", markdown_table(results).encode("utf-8"))
+    rows = results["rows"]
+    methods = list(dict.fromkeys(r["method"] for r in rows))
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method in methods:
+        pts = sorted((r["activations_per_token"], r["perplexity"]) for r in rows if r["method"] == method)
+        ax.plot(*zip(*pts), marker="o", label=method)
+    ax.axhline(results["full"]["perplexity"], color="grey", ls="--", lw=1, label="full model")
+    ax.set_xlabel("measured activations per token (summed over MoE layers)")
+    ax.set_ylabel("perplexity (lower is better)")
+    ax.set_yscale("log")
+    ax.set_title("Quality vs measured activations")
+    ax.legend(fontsize=8, ncol=2)
+    _save_png(fig, out_dir / "quality_vs_activations.png")
+    plt.close(fig)
+
+    budgets = sorted({r["budget"] for r in rows})
+    fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets), 3.6), sharey=True, squeeze=False)
+    for ax, b in zip(axes[0], budgets):
+        for method in methods:
+            r = next((x for x in rows if x["method"] == method and x["budget"] == b), None)
+            if r and all(k is not None for k in r["k_per_layer"]):
+                ax.plot(range(len(r["k_per_layer"])), r["k_per_layer"], marker=".", label=method)
+        ax.set_title(f"B = {b:.0%} of full")
+        ax.set_xlabel("MoE layer (shallow -> deep)")
+    axes[0][0].set_ylabel("K_l (activations per token)")
+    axes[0][-1].legend(fontsize=7)
+    _save_png(fig, out_dir / "allocations.png")
+    plt.close(fig)
+    return [out_dir / n for n in ("results.md", "quality_vs_activations.png", "allocations.png")]

@@ -1,0 +1,119 @@
+"""The budget x method sweep: the paper's comparison table, for any model.
+
+Profiles once (or reuses a profile), then for every budget and method makes a plan, applies it and
+scores perplexity on the evaluation text with the activations actually spent. Writes
+results.json, results.md and PNG plots into the output folder.
+"""
+
+from __future__ import annotations
+
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+import transformers
+from tqdm import tqdm
+
+from . import __version__
+from .apply import apply_plan
+from .budget import Budget
+from .config import checked_config
+from .errors import AllocMoeError
+from .evaluate.perplexity import default_seq_len, evaluate_perplexity, tokenize_windows
+from .io_utils import atomic_write_json
+from .methods import METHODS, AllocateConfig, allocate
+from .plan import model_fingerprint
+from .profile import ProfileConfig, profile_sensitivity
+
+DEFAULT_BUDGETS = ("1/3", "1/2", "2/3", "5/6")
+
+
+@dataclass
+class SweepConfig:
+    budgets: tuple[str, ...] = DEFAULT_BUDGETS      # fractions or counts, as `--budget` takes them
+    methods: tuple[str, ...] = METHODS              # every method by default
+    eval_max_tokens: int | None = 16384             # test tokens scored per row (None = the whole text)
+    seq_len: int | None = None                      # window for calibration and evaluation
+    batch_size: int = 4                             # windows per forward pass
+    k_base: int = 1                                 # Alloc-T's k_base for alloc-moe and alloc-t
+    profile: ProfileConfig = field(default_factory=ProfileConfig)   # calibration for profiling
+    progress: bool = True
+
+    def __post_init__(self):
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown:
+            raise AllocMoeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
+        if not self.budgets or not self.methods:
+            raise AllocMoeError("give at least one budget and one method")
+
+
+def environment() -> dict[str, Any]:
+    return {"allocmoe": __version__, "torch": torch.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "machine": platform.machine(), "processor": platform.processor(),
+            "cpu_count": __import__("os").cpu_count(), "torch_threads": torch.get_num_threads()}
+
+
+def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig | dict | None = None,
+          output_dir: str | Path | None = None, profile: dict | None = None,
+          text_names: tuple[str, str] = ("calibration", "test")) -> dict[str, Any]:
+    """Run every (budget, method) pair; returns the results dict (and writes files to output_dir)."""
+    config = checked_config(SweepConfig, config)
+    started = time.time()
+    fingerprint = model_fingerprint(model)
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+    budgets = [Budget.parse(b, num_layers, k_orig) for b in config.budgets]      # fail fast on a bad one
+    seq_len = config.seq_len or default_seq_len(model)
+    eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
+    needs_profile = any(m in ("alloc-moe", "alloc-l", "auto") for m in config.methods)
+    if profile is None and needs_profile:
+        profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len,
+                                          "batch_size": config.batch_size, "progress": config.progress})
+        partial = Path(output_dir) / "profile.json" if output_dir else None
+        profile = profile_sensitivity(model, tokenizer, calib_text, profile_config, output=partial,
+                                      calib_name=text_names[0])
+    ppl_config = {"batch_size": config.batch_size, "progress": False}
+    full = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
+    alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
+                                  seq_len=seq_len, batch_size=config.batch_size)
+    rows, plans = [], {}
+    bar = tqdm(total=len(budgets) * len(config.methods), desc="sweep", unit="run", disable=not config.progress)
+    for budget in budgets:
+        for method in config.methods:
+            bar.set_postfix(budget=f"{budget.activations_per_token:g}", method=method)
+            plan = allocate(budget, method, profile=profile, model=model, tokenizer=tokenizer,
+                            calib_text=calib_text, config=alloc_config)
+            with apply_plan(model, plan) as handle:
+                result = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
+                measured = handle.activations_per_token()
+            row = {"method": method, "budget": round(budget.fraction, 6),
+                   "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
+                   "relative_change": result.perplexity / full.perplexity - 1,
+                   "activations_per_token": measured,
+                   "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
+            if method == "auto":
+                row["auto_choice"] = plan.provenance["details"]["chosen"]
+            rows.append(row)
+            plans[f"{method}@{budget.activations_per_token:g}"] = plan.to_dict()
+            bar.update(1)
+    bar.close()
+    results = {
+        "model": {**fingerprint, "name": getattr(model.config, "_name_or_path", "")},
+        "full": {"perplexity": full.perplexity, "activations_per_token": float(num_layers * k_orig)},
+        "evaluation": {"text": text_names[1], "tokens": full.tokens, "windows": full.windows, "seq_len": full.seq_len,
+                       "batch_size": config.batch_size},
+        "calibration": profile["calibration"] if profile else {"text": text_names[0]},
+        "rows": rows,
+        "environment": environment(),
+        "seconds": round(time.time() - started, 1),
+    }
+    if output_dir:
+        from .report import write_report
+
+        out = Path(output_dir)
+        atomic_write_json(out / "results.json", results)
+        atomic_write_json(out / "plans.json", plans)
+        write_report(results, out)
+    return results
