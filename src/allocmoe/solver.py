@@ -34,7 +34,7 @@ def solve_allocation(costs: Sequence[Sequence[float]], budget: float) -> list[in
     choice = np.zeros((num_layers, total + 1), dtype=np.int64)   # k chosen for layer i at spend b
     for i in range(num_layers):
         nxt = np.full(total + 1, np.inf)
-        for k in range(1, k_orig + 1):
+        for k in range(1, min(k_orig, total) + 1):
             cand = np.full(total + 1, np.inf)
             cand[k:] = best[: total + 1 - k] + table[i, k - 1]
             better = cand < nxt

@@ -1,0 +1,67 @@
+"""The DP against brute force; budget parsing rules."""
+
+import itertools
+import random
+
+import pytest
+
+from allocmoe import AllocMoeError, Budget
+from allocmoe.solver import allocation_cost, solve_allocation
+
+
+def brute_force(costs, budget):
+    k_orig = len(costs[0])
+    best = None
+    for ks in itertools.product(range(1, k_orig + 1), repeat=len(costs)):
+        if sum(ks) <= budget:
+            cost = allocation_cost(costs, ks)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_dp_matches_brute_force_and_never_exceeds_the_budget(seed):
+    rng = random.Random(seed)
+    num_layers, k_orig = rng.randint(1, 5), rng.randint(1, 5)
+    ties = seed % 3 == 0                                         # small integer costs: many ties
+    costs = [[float(rng.randint(0, 3)) if ties else rng.uniform(0, 10) for _ in range(k_orig)]
+             for _ in range(num_layers)]
+    for budget in range(num_layers, num_layers * k_orig + 1):
+        ks = solve_allocation(costs, budget + (0.5 if seed % 2 else 0.0))   # fractional budgets floor
+        assert sum(ks) <= budget and all(1 <= k <= k_orig for k in ks) and len(ks) == num_layers
+        assert allocation_cost(costs, ks) == pytest.approx(brute_force(costs, budget))
+
+
+def test_dp_prefers_the_more_sensitive_layer():
+    costs = [[10.0, 2.0, 1.0], [1.2, 1.1, 1.0]]                  # layer 0 hurts far more when cut
+    assert solve_allocation(costs, 4) == [3, 1]
+
+
+def test_dp_is_fast_for_deepseek_v3_sized_problems():
+    rng = random.Random(0)
+    costs = [[rng.uniform(1, 2) / k for k in range(1, 9)] for _ in range(58)]
+    ks = solve_allocation(costs, 58 * 8 // 2)
+    assert sum(ks) <= 232 and len(ks) == 58
+
+
+def test_dp_rejects_a_budget_below_one_expert_per_layer_and_bad_tables():
+    with pytest.raises(AllocMoeError, match="below 3"):
+        solve_allocation([[1, 2]] * 3, 2)
+    with pytest.raises(AllocMoeError, match="NaN"):
+        solve_allocation([[1, float("nan")]], 2)
+
+
+@pytest.mark.parametrize("text,count", [("0.5", 78), ("1/2", 78), ("50%", 78), ("78", 78), ("1/3", 52),
+                                        ("5/6", 130), ("1", 156), ("156", 156), ("26", 26)])
+def test_budget_parses_fractions_and_counts(text, count):
+    budget = Budget.parse(text, num_layers=26, k_orig=6)
+    assert budget.activations_per_token == count and budget.full == 156
+
+
+@pytest.mark.parametrize("text,message", [("0", "must be positive"), ("-0.5", "must be positive"),
+                                          ("2.0", "below 26"), ("157", "above the full budget"),
+                                          ("half", "not a number"), ("", "not a number"), ("1/0", "not a number"),
+                                          ("nan", "not a number")])
+def test_bad_budgets_are_refused_with_the_reason(text, message):
+    with pytest.raises(AllocMoeError, match=message):
+        Budget.parse(text, num_layers=26, k_orig=6)
