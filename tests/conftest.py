@@ -83,6 +83,6 @@ def tiny_folder(tmp_path_factory):
     """A tiny deepseek_v2 model folder with a tokenizer, as a user would point --model at."""
     folder = tmp_path_factory.mktemp("tiny_deepseek")
     tok = train_tiny_tokenizer(folder)
-    model = build_tiny("deepseek_v2", vocab_size=len(tok), num_hidden_layers=4, max_position_embeddings=64)
+    model = build_tiny("deepseek_v2", vocab_size=len(tok), num_hidden_layers=4, max_position_embeddings=256)
     model.save_pretrained(folder)
     return folder

@@ -15,9 +15,11 @@ from .texts import read_text
 def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLike | Plan | None = None,
                    text: str | os.PathLike | None = None, seq_len: int | None = None,
                    max_tokens: int | None = None, batch_size: int = 4,
-                   trust_remote_code: bool = False) -> dict[str, Any]:
+                   trust_remote_code: bool = False, tasks: list[str] | None = None,
+                   task_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Perplexity of a model folder (default: built-in) with an optional plan, on a text file
-    (default: the built-in test split). Returns the JSON-ready result."""
+    (default: the built-in test split); with `tasks`, also lm-eval task metrics (the [eval] extra).
+    Returns the JSON-ready result."""
     config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
     body, text_name = read_text(text, "test")
     net, tok = load_model(model, trust_remote_code=trust_remote_code)
@@ -25,15 +27,28 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
         plan = Plan.load(plan, net)
     fingerprint = model_fingerprint(net)
     full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
-    if plan is None:
+    if tasks:
+        from .evaluate.harness import _lm_eval
+
+        _lm_eval()                                  # fail before any work if the extra is missing
+    handle = apply_plan(net, plan) if plan is not None else None
+    try:
         result = evaluate_perplexity(net, tok, body, config)
-        measured, per_layer = full, {str(i): float(fingerprint["k_orig"]) for i in fingerprint["moe_layers"]}
-    else:
-        with apply_plan(net, plan) as handle:
-            result = evaluate_perplexity(net, tok, body, config)
+        if handle is None:
+            measured, per_layer = full, {str(i): float(fingerprint["k_orig"]) for i in fingerprint["moe_layers"]}
+        else:
             measured = handle.activations_per_token()
             per_layer = {str(i): v for i, v in handle.layer_activations().items()}
-    return {**result.to_dict(), "activations_per_token": measured, "full_activations_per_token": full,
+        task_results = None
+        if tasks:
+            from .evaluate.harness import run_tasks
+
+            task_results = run_tasks(net, tok, tasks, batch_size=batch_size, **(task_options or {}))
+    finally:
+        if handle is not None:
+            handle.remove()
+    extra = {"tasks": task_results} if tasks else {}
+    return {**result.to_dict(), **extra, "activations_per_token": measured, "full_activations_per_token": full,
             "budget_fraction_measured": measured / full, "activations_per_layer": per_layer,
             "plan": None if plan is None else {"method": plan.method, "budget": plan.budget},
             "text": text_name, "model": fingerprint}

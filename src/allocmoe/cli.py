@@ -26,6 +26,14 @@ def _add_model(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seq-len", type=int, default=None, help="window length (default: min(2048, model limit))")
 
 
+def _add_tasks(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs allocmoe[eval]); offline: "
+                   "allocmoe_lastword,allocmoe_cloze,allocmoe_source")
+    p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval few-shot examples")
+    p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N examples per task")
+    p.add_argument("--include-path", default=None, help="folder of extra lm-eval task YAMLs")
+
+
 def _load(args):
     from .models import load_model
 
@@ -82,9 +90,12 @@ def cmd_allocate(args) -> None:
 def cmd_eval(args) -> None:
     from .api import evaluate_model
 
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
                             max_tokens=args.max_tokens, batch_size=args.batch_size,
-                            trust_remote_code=args.trust_remote_code)
+                            trust_remote_code=args.trust_remote_code, tasks=tasks,
+                            task_options={"num_fewshot": args.num_fewshot, "limit": args.limit,
+                                          "include_path": args.include_path})
     _emit(result, args.output_json)
 
 
@@ -97,7 +108,9 @@ def cmd_sweep(args) -> None:
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         eval_max_tokens=args.max_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
-        profile=ProfileConfig(max_tokens=args.calib_max_tokens))
+        profile=ProfileConfig(max_tokens=args.calib_max_tokens),
+        tasks=tuple(t.strip() for t in (args.tasks or "").split(",") if t.strip()),
+        task_limit=args.limit, num_fewshot=args.num_fewshot, include_path=args.include_path)
     calib, calib_name = read_text(args.calib_text, "calibration")
     text, text_name = read_text(args.text, "test")
     model, tok = _load(args)
@@ -109,6 +122,22 @@ def cmd_sweep(args) -> None:
     print(markdown_table(results))
     print(f"wrote {args.output_dir}/results.json, results.md, quality_vs_activations.png, allocations.png",
           file=sys.stderr)
+
+
+def cmd_analyze(args) -> None:
+    from .analyze import analyze_plan, write_analysis
+    from .evaluate.perplexity import default_seq_len, tokenize_windows
+    from .plan import Plan
+    from .texts import read_text
+
+    text, _ = read_text(args.text, "test")
+    model, tok = _load(args)
+    plan = Plan.load(args.plan, model)
+    windows = tokenize_windows(tok, text, args.seq_len or default_seq_len(model), args.max_tokens)
+    result = analyze_plan(model, tok, plan, windows, args.batch_size)
+    write_analysis(result, args.output_dir)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_layer"}, indent=2))
+    print(f"wrote {args.output_dir}/analysis.json, analysis.png", file=sys.stderr)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -144,6 +173,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--text", default=None, help="UTF-8 text to score (default: built-in test split)")
     p.add_argument("--max-tokens", type=int, default=None, help="score only the first N tokens")
     p.add_argument("--output-json", default=None, help="also write the result here")
+    _add_tasks(p)
     p.set_defaults(func=cmd_eval)
 
     p = sub.add_parser("sweep", help="budgets x methods table with plots (the main job)")
@@ -157,7 +187,16 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-tokens", type=int, default=16384, help="evaluation tokens per row (16384)")
     p.add_argument("--calib-max-tokens", type=int, default=8192, help="calibration tokens (8192)")
     p.add_argument("--output-dir", default="allocmoe-sweep", help="folder for results (default allocmoe-sweep)")
+    _add_tasks(p)
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("analyze", help="experts vs routing entropy, expert load vs the unmodified model")
+    _add_model(p)
+    p.add_argument("--plan", required=True, help="plan JSON to analyse")
+    p.add_argument("--text", default=None, help="UTF-8 text (default: built-in test split)")
+    p.add_argument("--max-tokens", type=int, default=16384, help="tokens to route (16384)")
+    p.add_argument("--output-dir", default="allocmoe-analysis", help="folder for analysis.json and analysis.png")
+    p.set_defaults(func=cmd_analyze)
 
     from .bench import add_bench_parser
 

@@ -40,6 +40,16 @@ def markdown_table(results: dict[str, Any]) -> str:
             text = f"{r['perplexity']:.3f} ({r['relative_change']:+.1%}) [{r['activations_per_token']:.2f}]"
             cells.append(f"**{text}**" if r["perplexity"] == best else text)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
+    if any("tasks" in r for r in rows):
+        tasks = sorted({t for r in rows for t in r.get("tasks", {})})
+        lines += ["", "Task accuracy (lm-evaluation-harness, `acc`):", "",
+                  "| method | budget | " + " | ".join(tasks) + " |", "|---|---|" + "---|" * len(tasks)]
+        full_tasks = results["full"].get("tasks", {})
+        lines.append("| full model | 100% | " + " | ".join(
+            f"{full_tasks.get(t, {}).get('acc', float('nan')):.3f}" for t in tasks) + " |")
+        for r in rows:
+            lines.append(f"| {r['method']} | {r['budget']:.0%} | " + " | ".join(
+                f"{r.get('tasks', {}).get(t, {}).get('acc', float('nan')):.3f}" for t in tasks) + " |")
     autos = [r for r in rows if r.get("auto_choice")]
     if autos:
         lines += ["", "auto chose: " + "; ".join(

@@ -41,6 +41,10 @@ class SweepConfig:
     k_base: int = 1                                 # Alloc-T's k_base for alloc-moe and alloc-t
     profile: ProfileConfig = field(default_factory=ProfileConfig)   # calibration for profiling
     progress: bool = True
+    tasks: tuple[str, ...] = ()                     # lm-eval tasks scored per row (needs allocmoe[eval])
+    task_limit: int | None = None                   # lm-eval: at most N examples per task
+    num_fewshot: int | None = None
+    include_path: str | None = None
 
     def __post_init__(self):
         unknown = [m for m in self.methods if m not in METHODS]
@@ -75,7 +79,16 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         profile = profile_sensitivity(model, tokenizer, calib_text, profile_config, output=partial,
                                       calib_name=text_names[0])
     ppl_config = {"batch_size": config.batch_size, "progress": False}
+    if config.tasks:
+        from .evaluate.harness import _lm_eval, run_tasks
+
+        _lm_eval()                                  # fail before profiling if the extra is missing
+
+        def score_tasks():
+            return run_tasks(model, tokenizer, list(config.tasks), config.num_fewshot, config.task_limit,
+                             config.include_path, batch_size=config.batch_size)
     full = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
+    full_tasks = score_tasks() if config.tasks else None
     alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
                                   seq_len=seq_len, batch_size=config.batch_size)
     rows, plans = [], {}
@@ -88,11 +101,14 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
             with apply_plan(model, plan) as handle:
                 result = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
                 measured = handle.activations_per_token()
+                task_scores = score_tasks() if config.tasks else None
             row = {"method": method, "budget": round(budget.fraction, 6),
                    "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
                    "relative_change": result.perplexity / full.perplexity - 1,
                    "activations_per_token": measured,
                    "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
+            if task_scores is not None:
+                row["tasks"] = task_scores
             if method == "auto":
                 row["auto_choice"] = plan.provenance["details"]["chosen"]
             rows.append(row)
@@ -101,7 +117,8 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     bar.close()
     results = {
         "model": {**fingerprint, "name": getattr(model.config, "_name_or_path", "")},
-        "full": {"perplexity": full.perplexity, "activations_per_token": float(num_layers * k_orig)},
+        "full": {"perplexity": full.perplexity, "activations_per_token": float(num_layers * k_orig),
+                 **({"tasks": full_tasks} if config.tasks else {})},
         "evaluation": {"text": text_names[1], "tokens": full.tokens, "windows": full.windows, "seq_len": full.seq_len,
                        "batch_size": config.batch_size},
         "calibration": profile["calibration"] if profile else {"text": text_names[0]},

@@ -1,0 +1,178 @@
+"""Build the offline lm-evaluation-harness task suite from the built-in test split.
+
+Deterministic (fixed seed, sorted inputs, stable JSON): rerunning writes the same bytes. Tasks:
+
+  allocmoe_lastword  LAMBADA-style: a passage of 40-120 words; predict its final word (greedy
+                     match of the whole word's tokens). Chance: ~0 (open vocabulary).
+  allocmoe_cloze     a 30-80 word context from a document; choose its true next sentence among 4
+                     (3 distractors are sentences drawn from other documents of similar length).
+                     Chance: 25%.
+  allocmoe_source    a 25-60 word passage; choose its source: "the King James Bible" or "an American
+                     text from 1961" (the Brown corpus). Chance: 50% (classes balanced).
+
+    python scripts/build_tasks.py [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import lzma
+import random
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+DATA = ROOT / "src" / "allocmoe" / "builtin" / "data"
+OUT = ROOT / "src" / "allocmoe" / "builtin" / "tasks"
+SEED = 1234
+PER_TASK = 400
+
+YAML = {
+    "allocmoe_lastword": """task: allocmoe_lastword
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/allocmoe_lastword.jsonl
+test_split: test
+output_type: loglikelihood
+doc_to_text: context
+doc_to_target: target
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+metadata:
+  version: 1.0
+  chance: 0.0
+""",
+    "allocmoe_cloze": """task: allocmoe_cloze
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/allocmoe_cloze.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+  chance: 0.25
+""",
+    "allocmoe_source": """task: allocmoe_source
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {dir}/allocmoe_source.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: "{{{{passage}}}}\\nThis passage is from"
+doc_to_choice: ["the King James Bible.", "an American text from 1961."]
+doc_to_target: label
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+  chance: 0.5
+""",
+}
+
+
+def documents() -> list[str]:
+    text = lzma.open(DATA / "test.txt.xz", "rt", encoding="utf-8").read()
+    return [d.strip() for d in text.split("\n\n") if d.strip()]
+
+
+def sentences(doc: str) -> list[str]:
+    return [s.strip() for s in re.split(r"(?<=[.!?])\s+", doc.replace("\n", " ")) if s.strip()]
+
+
+def is_bible(doc: str) -> bool:
+    return bool(re.search(r"\b(LORD|unto|thee|thou|hath)\b", doc[:2000]))
+
+
+def lastword(docs: list[str], rng: random.Random) -> list[dict]:
+    items = []
+    for doc in docs:
+        words = doc.replace("\n", " ").split()
+        for start in range(0, max(0, len(words) - 130), 150):
+            n = rng.randint(40, 120)
+            span = words[start:start + n]
+            target = re.sub(r"[^\w'-]+$", "", span[-1])
+            if len(span) == n and re.fullmatch(r"[A-Za-z][A-Za-z'-]{2,}", target or ""):
+                items.append({"context": " ".join(span[:-1]), "target": target})
+    rng.shuffle(items)
+    return items[:PER_TASK]
+
+
+def cloze(docs: list[str], rng: random.Random) -> list[dict]:
+    pool = [(i, s) for i, d in enumerate(docs) for s in sentences(d) if 6 <= len(s.split()) <= 40]
+    items = []
+    for i, doc in enumerate(docs):
+        sents = sentences(doc)
+        for j in range(3, len(sents) - 1, 5):
+            context = " ".join(sents[max(0, j - 4):j])
+            true = sents[j]
+            if not (30 <= len(context.split()) <= 80 and 6 <= len(true.split()) <= 40):
+                continue
+            others = [s for d, s in rng.sample(pool, 40) if d != i and abs(len(s.split()) - len(true.split())) <= 6][:3]
+            if len(others) < 3:
+                continue
+            choices = others + [true]
+            rng.shuffle(choices)
+            items.append({"context": context, "choices": choices, "label": choices.index(true)})
+    rng.shuffle(items)
+    return items[:PER_TASK]
+
+
+def source(docs: list[str], rng: random.Random) -> list[dict]:
+    by_label: dict[int, list[dict]] = {0: [], 1: []}
+    for doc in docs:
+        words = doc.replace("\n", " ").split()
+        label = 0 if is_bible(doc) else 1
+        for start in range(0, max(0, len(words) - 60), 200):
+            by_label[label].append({"passage": " ".join(words[start:start + rng.randint(25, 60)]), "label": label})
+    n = min(PER_TASK // 2, len(by_label[0]), len(by_label[1]))
+    items = rng.sample(by_label[0], n) + rng.sample(by_label[1], n)
+    rng.shuffle(items)
+    return items
+
+
+def build(out: Path) -> dict[str, int]:
+    docs = documents()
+    out.mkdir(parents=True, exist_ok=True)
+    counts = {}
+    for name, maker in (("allocmoe_lastword", lastword), ("allocmoe_cloze", cloze), ("allocmoe_source", source)):
+        items = maker(docs, random.Random(f"{SEED}:{name}"))
+        lines = "".join(json.dumps(item, ensure_ascii=False, sort_keys=True) + "\n" for item in items)
+        (out / f"{name}.jsonl").write_text(lines, encoding="utf-8")
+        (out / f"{name}.yaml").write_text(YAML[name].format(dir="${TASK_DIR}"), encoding="utf-8")
+        counts[name] = len(items)
+    return counts
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, default=OUT)
+    args = parser.parse_args()
+    for name, n in build(args.out).items():
+        print(f"{name}: {n} items")
+
+
+if __name__ == "__main__":
+    main()

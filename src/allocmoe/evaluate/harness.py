@@ -1,0 +1,92 @@
+"""Task accuracy through lm-evaluation-harness (optional extra: pip install "allocmoe[eval]").
+
+`run_tasks` wraps the live model, with whatever plan is applied, in lm-eval's HFLM and runs the
+given tasks; the offline suite shipped in builtin/tasks is always on the include path. Importing
+this module also registers the lm-eval model name "allocmoe" (`pretrained=...,plan=...`).
+
+The shipped task YAMLs name their data as ${TASK_DIR}/file.jsonl; `offline_task_dir` writes copies
+with the real folder filled in, so the suite works wherever allocmoe is installed.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from ..errors import AllocMoeError
+
+TASKS_DIR = Path(__file__).resolve().parents[1] / "builtin" / "tasks"
+OFFLINE_TASKS = ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_source")
+
+
+def _lm_eval():
+    try:
+        import lm_eval  # noqa: F401
+        from lm_eval.models.huggingface import HFLM
+    except ImportError:
+        raise AllocMoeError('task evaluation needs lm-evaluation-harness: pip install "allocmoe[eval]"') from None
+    return lm_eval, HFLM
+
+
+def offline_task_dir() -> str:
+    """A folder of the offline task YAMLs with their data paths filled in."""
+    out = Path(tempfile.mkdtemp(prefix="allocmoe-tasks-"))
+    for yaml_path in sorted(TASKS_DIR.glob("*.yaml")):
+        text = yaml_path.read_text(encoding="utf-8").replace("${TASK_DIR}", str(TASKS_DIR))
+        (out / yaml_path.name).write_text(text, encoding="utf-8")
+    return str(out)
+
+
+def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
+              include_path: str | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} for `tasks` on the live model (apply a plan before calling)."""
+    lm_eval, HFLM = _lm_eval()
+    from lm_eval.tasks import TaskManager
+
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    paths = [offline_task_dir()] + ([include_path] if include_path else [])
+    manager = TaskManager(include_path=paths)
+    unknown = [t for t in tasks if t not in manager.all_tasks]
+    if unknown:
+        raise AllocMoeError(f"unknown lm-eval task(s) {unknown}; offline tasks: {', '.join(OFFLINE_TASKS)} "
+                            "(or pass --include-path DIR with your own YAML)")
+    device = str(next(model.parameters()).device)
+    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+    try:
+        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                      task_manager=manager, log_samples=False, bootstrap_iters=0)
+    except (FileNotFoundError, ConnectionError, OSError) as exc:
+        raise AllocMoeError(f"lm-eval could not load a task's data offline ({str(exc).splitlines()[0]}); "
+                            "hub tasks need their datasets in the local Hugging Face cache") from None
+    results: dict[str, dict[str, float]] = {}
+    for task, metrics in out["results"].items():
+        results[task] = {key.split(",")[0]: float(value) for key, value in metrics.items()
+                         if isinstance(value, (int, float)) and "stderr" not in key}
+    return results
+
+
+def _register() -> None:
+    """Register the lm-eval model name "allocmoe": pretrained=<folder|builtin>,plan=<plan.json>."""
+    try:
+        from lm_eval.api.registry import register_model
+        from lm_eval.models.huggingface import HFLM
+    except ImportError:
+        return
+
+    @register_model("allocmoe")
+    class AllocMoeLM(HFLM):
+        def __init__(self, pretrained: str = "builtin", plan: str | None = None, **kwargs: Any):
+            from ..apply import apply_plan
+            from ..models import load_model
+            from ..plan import Plan
+
+            model, tokenizer = load_model(None if pretrained == "builtin" else pretrained)
+            self.plan_handle = apply_plan(model, Plan.load(plan, model)) if plan else None
+            kwargs.pop("tokenizer", None)
+            super().__init__(pretrained=model, tokenizer=tokenizer, **kwargs)
+
+
+_register()
