@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Speed of the full DeepSeek-V2-Lite shape (27 layers, random bf16 weights, ~31 GiB) on one GPU at
+# budget 78 of 156, for uniform top-3 and for Alloc-T (whose work equals alloc-moe's at the same
+# budget: only which layers get it differs), beside the paper's 1.15x prefill / 1.34x decode (H100).
+# Needs torch with CUDA and transformers==5.24.0 importable; allocmoe from this checkout.
+# Takes about 3-4 minutes on an H200.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+OUT_DIR="${OUT:-bench-gpu}"
+mkdir -p "$OUT_DIR"
+python3 -c "import torch, transformers; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+for method in uniform alloc-t; do
+  for batch in 1 16; do
+    python3 -m allocmoe bench --model synthetic:deepseek-v2-lite --budget 78 --method "$method" \
+      --batch-size "$batch" --input-len 512 --output-len 32 --repeats 5 --device cuda --dtype bfloat16 \
+      --output-json "$OUT_DIR/dsv2lite_${method}_b${batch}.json" > /dev/null
+  done
+done
+python3 - "$OUT_DIR" <<'PY'
+import glob, json, sys
+print(f"{'method':10s} {'batch':>5s} {'prefill':>8s} {'ideal':>6s} {'decode':>7s} {'ideal':>6s}   paper (H100): 1.15x prefill, 1.34x decode")
+for path in sorted(glob.glob(f"{sys.argv[1]}/dsv2lite_*.json")):
+    r = json.load(open(path))
+    print(f"{r['plan']['method']:10s} {r['settings']['batch_size']:5d} {r['prefill_speedup']:7.3f}x {r['prefill_ideal_speedup']:5.2f}x "
+          f"{r['decode_speedup']:6.3f}x {r['decode_ideal_speedup']:5.2f}x   {r['environment']['device']}")
+PY

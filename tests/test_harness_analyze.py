@@ -1,0 +1,81 @@
+"""lm-eval on an offline task with and without a plan; task files reproducible; the analysis."""
+
+import filecmp
+import importlib.util
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from allocmoe import apply_plan, static_plan
+from allocmoe.analyze import js_divergence, spearman
+from allocmoe.evaluate import tokenize_windows
+from allocmoe.models import load_model
+
+ROOT = Path(__file__).resolve().parents[1]
+has_lm_eval = importlib.util.find_spec("lm_eval") is not None
+
+
+def test_offline_task_files_are_reproducible_byte_for_byte(tmp_path):
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tasks.py"), "--out", str(tmp_path)], check=True,
+                   capture_output=True)
+    shipped = ROOT / "src" / "allocmoe" / "builtin" / "tasks"
+    names = sorted(p.name for p in shipped.iterdir() if p.suffix in (".yaml", ".jsonl"))
+    assert names and names == sorted(p.name for p in tmp_path.iterdir())
+    match, mismatch, errors = filecmp.cmpfiles(shipped, tmp_path, names, shallow=False)
+    assert not mismatch and not errors
+
+
+@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
+def test_an_offline_task_runs_through_lm_eval_and_a_plan_changes_its_metrics(tiny_folder):
+    from allocmoe.evaluate.harness import run_tasks
+
+    model, tok = load_model(tiny_folder)
+    full = run_tasks(model, tok, ["allocmoe_lastword"], limit=12, batch_size=4)["allocmoe_lastword"]
+    with apply_plan(model, static_plan(model, [1, 1, 1])):
+        cut = run_tasks(model, tok, ["allocmoe_lastword"], limit=12, batch_size=4)["allocmoe_lastword"]
+    assert set(full) >= {"acc", "perplexity"}
+    assert full["perplexity"] != cut["perplexity"]
+
+
+def test_missing_extra_or_unknown_task_is_a_clear_error(tiny_folder, monkeypatch):
+    from allocmoe import AllocMoeError
+    from allocmoe.evaluate import harness
+
+    model, tok = load_model(tiny_folder)
+    if has_lm_eval:
+        with pytest.raises(AllocMoeError, match="unknown lm-eval task"):
+            harness.run_tasks(model, tok, ["no_such_task"], limit=1)
+    monkeypatch.setitem(sys.modules, "lm_eval", None)
+    with pytest.raises(AllocMoeError, match=r'pip install "allocmoe\[eval\]"'):
+        harness.run_tasks(model, tok, ["allocmoe_lastword"])
+
+
+def test_statistics_against_hand_computed_cases():
+    assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([10.0, 20, 30, 40])) == pytest.approx(1.0)
+    assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([4.0, 3, 2, 1])) == pytest.approx(-1.0)
+    assert spearman(torch.tensor([1.0, 1, 2]), torch.tensor([1.0, 2, 3])) == pytest.approx(0.8660254, rel=1e-6)
+    assert js_divergence(torch.tensor([1.0, 0]), torch.tensor([0.0, 1])) == pytest.approx(0.6931472, rel=1e-6)
+    assert js_divergence(torch.tensor([2.0, 3]), torch.tensor([4.0, 6])) == pytest.approx(0.0, abs=1e-12)
+
+
+def test_analysis_of_an_alloc_t_plan(tiny_folder, tmp_path):
+    from allocmoe.analyze import analyze_plan, write_analysis
+    from allocmoe.methods import allocate
+    from allocmoe.texts import read_text
+
+    model, tok = load_model(tiny_folder)
+    windows = tokenize_windows(tok, read_text(None, "test")[0], 32, 1024)
+    plan = allocate("0.5", "alloc-t", model=model)
+    result = analyze_plan(model, tok, plan, windows)
+    for layer in result["per_layer"].values():
+        assert layer["measured_k"] == pytest.approx(2.0, abs=0.01)
+        assert -1 <= layer["load_spearman"] <= 1 and layer["load_js_divergence"] >= 0
+    assert result["experts_vs_entropy"]["spearman"] is not None
+    same = analyze_plan(model, tok, static_plan(model, [4, 4, 4]), windows)
+    assert same["load_js_divergence_max"] == pytest.approx(0.0, abs=1e-12)
+    assert same["load_spearman_range"] == [pytest.approx(1.0), pytest.approx(1.0)]
+    paths = write_analysis(result, tmp_path)
+    assert all(p.stat().st_size > 100 for p in paths)
