@@ -6,12 +6,18 @@ from .adapters import supported_model_types
 from .apply import PlanHandle, apply_plan, static_plan
 from .budget import Budget
 from .errors import AllocMoeError
+from .evaluate import PerplexityConfig, evaluate_perplexity
+from .methods import AllocateConfig, allocate
 from .models import load_model
 from .plan import Plan, model_fingerprint
 from .policies import AllocT, NaeeSkip, StaticTopK, TopP, select_experts
+from .profile import ProfileConfig, load_profile, profile_sensitivity
+from .sweep import SweepConfig, sweep
+from .texts import read_text
 
 __all__ = [
-    "__version__", "AllocMoeError", "AllocT", "Budget", "NaeeSkip", "Plan", "PlanHandle", "StaticTopK",
-    "TopP", "apply_plan", "load_model", "model_fingerprint", "select_experts", "static_plan",
-    "supported_model_types",
+    "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "NaeeSkip", "PerplexityConfig", "Plan",
+    "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "apply_plan",
+    "evaluate_perplexity", "load_model", "load_profile", "model_fingerprint", "profile_sensitivity", "read_text",
+    "select_experts", "static_plan", "supported_model_types", "sweep",
 ]

@@ -1,0 +1,71 @@
+"""Measure the built-in model's card: test perplexity at uniform K = 1..K_orig, expert load per layer,
+determinism, and the training curve's last-fifth improvement. Writes builtin/model/card.json and
+prints the Markdown for the README.
+
+    python scripts/model_card.py
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import time
+from pathlib import Path
+
+import torch
+
+from allocmoe import apply_plan, evaluate_perplexity, load_model, model_fingerprint, read_text, static_plan
+from allocmoe.evaluate import tokenize_windows
+from allocmoe.io_utils import atomic_write_json
+from allocmoe.models import BUILTIN_MODEL
+
+
+def main() -> None:
+    started = time.time()
+    model, tok = load_model()
+    fp = model_fingerprint(model)
+    text, _ = read_text(None, "test")
+    windows = tokenize_windows(tok, text, 512)
+    cfg = {"batch_size": 8, "progress": False}
+    ppl = {}
+    load = {}
+    for k in range(1, fp["k_orig"] + 1):
+        plan = static_plan(model, [k] * fp["num_moe_layers"])
+        with apply_plan(model, plan) as handle:
+            if k == fp["k_orig"]:
+                counts = {i: torch.zeros(fp["num_experts"]) for i in fp["moe_layers"]}
+
+                def record(layer, cand_idx, cand_probs, n, valid):
+                    counts[layer] += torch.bincount(cand_idx[:, : int(n.max())][valid].flatten(),
+                                                    minlength=fp["num_experts"]).float()
+
+                handle.context.recorders.append(record)
+            ppl[k] = evaluate_perplexity(model, tok, "", cfg, windows=windows).perplexity
+        if k == fp["k_orig"]:
+            load = {i: (c / c.mean()).tolist() for i, c in counts.items()}
+    again, _ = load_model()
+    repeat = evaluate_perplexity(again, tok, "", cfg, windows=windows).perplexity
+    curve = json.loads((BUILTIN_MODEL / "training_curve.json").read_text())["curve"]
+    fifth = curve[-max(1, len(curve) // 5) - 1]
+    last_fifth_gain = fifth["val_perplexity"] / curve[-1]["val_perplexity"] - 1
+    card = {
+        "test_tokens_scored": int(windows.numel() - windows.size(0)), "seq_len": 512,
+        "uniform_perplexity": {str(k): v for k, v in ppl.items()},
+        "top1_over_full": ppl[1] / ppl[fp["k_orig"]], "top3_over_full": ppl[3] / ppl[fp["k_orig"]],
+        "min_expert_load_over_mean": min(min(v) for v in load.values()),
+        "min_expert_load_over_mean_per_layer": {str(i): min(v) for i, v in load.items()},
+        "deterministic": repeat == ppl[fp["k_orig"]],
+        "validation_last_fifth_improvement": last_fifth_gain,
+        "parameters": sum(p.numel() for p in model.parameters()),
+        "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
+        "seconds": round(time.time() - started, 1),
+    }
+    atomic_write_json(BUILTIN_MODEL / "card.json", card)
+    print("| K (uniform) | " + " | ".join(str(k) for k in ppl) + " |")
+    print("|---|" + "---|" * len(ppl))
+    print("| test perplexity | " + " | ".join(f"{v:.2f}" for v in ppl.values()) + " |")
+    print(json.dumps({k: v for k, v in card.items() if k != "uniform_perplexity"}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
