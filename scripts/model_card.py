@@ -20,6 +20,15 @@ from allocmoe.io_utils import atomic_write_json
 from allocmoe.models import BUILTIN_MODEL
 
 
+def last_fifth_improvement(curve: list[dict]) -> tuple[float, int, int]:
+    """Validation improvement over (at least) the last fifth of the final training stage: from the
+    last measured point at or before the fifth's start to the end. Returns (gain, from_step, to_step)."""
+    stage = [p for p in curve if p.get("stage", 1) == curve[-1].get("stage", 1)]
+    start, end = stage[0]["step"], stage[-1]["step"]
+    fifth = [p for p in stage if p["step"] <= start + 0.8 * (end - start)][-1]
+    return fifth["val_perplexity"] / stage[-1]["val_perplexity"] - 1, fifth["step"], end
+
+
 def main() -> None:
     started = time.time()
     model, tok = load_model()
@@ -43,25 +52,41 @@ def main() -> None:
             ppl[k] = evaluate_perplexity(model, tok, "", cfg, windows=windows).perplexity
         if k == fp["k_orig"]:
             load = {i: (c / c.mean()).tolist() for i, c in counts.items()}
+    first, _ = load_model()
     again, _ = load_model()
-    repeat = evaluate_perplexity(again, tok, "", cfg, windows=windows).perplexity
+    plain = [evaluate_perplexity(m, tok, "", cfg, windows=windows).perplexity for m in (first, again)]
     curve = json.loads((BUILTIN_MODEL / "training_curve.json").read_text())["curve"]
-    final_step = curve[-1]["step"]
-    fifth = next(p for p in curve if p["step"] >= 0.8 * final_step)       # the start of the last fifth
-    last_fifth_gain = fifth["val_perplexity"] / curve[-1]["val_perplexity"] - 1
+    last_fifth_gain, fifth_step, end = last_fifth_improvement(curve)
     card = {
         "test_tokens_scored": int(windows.numel() - windows.size(0)), "seq_len": 512,
         "uniform_perplexity": {str(k): v for k, v in ppl.items()},
         "top1_over_full": ppl[1] / ppl[fp["k_orig"]], "top3_over_full": ppl[3] / ppl[fp["k_orig"]],
         "min_expert_load_over_mean": min(min(v) for v in load.values()),
         "min_expert_load_over_mean_per_layer": {str(i): min(v) for i, v in load.items()},
-        "deterministic": repeat == ppl[fp["k_orig"]],
+        "deterministic": plain[0] == plain[1], "unpatched_perplexity": plain[0],
         "validation_last_fifth_improvement": last_fifth_gain,
+        "last_fifth_steps": [fifth_step, end],
         "parameters": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "seconds": round(time.time() - started, 1),
     }
     atomic_write_json(BUILTIN_MODEL / "card.json", card)
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from allocmoe.report import _save_png
+
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for stage in sorted({p.get("stage", 1) for p in curve}):
+        pts = [(p["tokens"] / 1e6, p["val_perplexity"]) for p in curve if p.get("stage", 1) == stage]
+        ax.plot(*zip(*pts), marker=".", label=f"stage {stage}")
+    ax.set_xlabel("training tokens (millions)")
+    ax.set_ylabel("validation perplexity")
+    ax.set_yscale("log")
+    ax.legend()
+    _save_png(fig, Path(__file__).resolve().parents[1] / "docs" / "training_curve.png")
     print("| K (uniform) | " + " | ".join(str(k) for k in ppl) + " |")
     print("|---|" + "---|" * len(ppl))
     print("| test perplexity | " + " | ".join(f"{v:.2f}" for v in ppl.values()) + " |")

@@ -123,6 +123,10 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "builtin")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rescale-routed", type=float, default=None,
+                        help="stage 2: multiply routed experts' down projections by this, then fine-tune")
+    parser.add_argument("--finetune-steps", type=int, default=200, help="stage 2 steps (fresh cosine schedule)")
+    parser.add_argument("--finetune-lr", type=float, default=1e-3)
     args = parser.parse_args()
 
     from transformers import AutoTokenizer, DeepseekV2Config, DeepseekV2ForCausalLM
@@ -193,6 +197,34 @@ def main() -> None:
     if step < args.steps:
         print(f"stopped at step {step} of {args.steps}: rerun the same command to resume")
         return
+    if args.rescale_routed:
+        # Stage 2. Softmax gates over 32 experts give each routed expert ~1/32 weight, so a short
+        # training leaves the routed branch small beside the always-on shared experts and budget
+        # cuts barely matter. Scaling the routed outputs up and fine-tuning makes the model lean on
+        # its routed experts, as large, long-trained MoEs do. Not resumable mid-stage: rerun whole.
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                if name.endswith("mlp.experts.down_proj"):
+                    param.mul_(args.rescale_routed)
+        opt = torch.optim.AdamW(model.parameters(), lr=args.finetune_lr, betas=(0.9, 0.95), weight_decay=0.1)
+        n = args.finetune_steps
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: min(1.0, (s + 1) / 10) * 0.5 * (1 + math.cos(math.pi * s / n)))
+        curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len, "stage": 2,
+                      "val_perplexity": evaluate(model, val_ids, args.seq_len)})
+        for _ in tqdm(range(n), desc="stage 2"):
+            batch = next(stream)
+            out = model(input_ids=batch, labels=batch)
+            loss = out.loss + args.aux_loss * load_balancing_loss(out.router_logits, config.num_experts_per_tok)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            step += 1
+            if step % args.eval_every == 0:
+                curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len, "stage": 2,
+                              "val_perplexity": evaluate(model, val_ids, args.seq_len)})
+                print(json.dumps(curve[-1]), flush=True)
 
     MODEL_OUT.mkdir(parents=True, exist_ok=True)
     config.output_router_logits = False
