@@ -83,7 +83,6 @@ def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.axhline(results["full"]["perplexity"], color="grey", ls="--", lw=1, label="full model")
     ax.set_xlabel("measured activations per token (summed over MoE layers)")
     ax.set_ylabel("perplexity (lower is better)")
-    ax.set_yscale("log")
     ax.set_title("Quality vs measured activations")
     ax.legend(fontsize=8, ncol=2)
     _save_png(fig, out_dir / "quality_vs_activations.png")
@@ -91,11 +90,14 @@ def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
 
     budgets = sorted({r["budget"] for r in rows})
     fig, axes = plt.subplots(1, len(budgets), figsize=(4 * len(budgets), 3.6), sharey=True, squeeze=False)
+    styles = ["-", "--", ":", "-."]
     for ax, b in zip(axes[0], budgets):
-        for method in methods:
+        for n, method in enumerate(methods):
             r = next((x for x in rows if x["method"] == method and x["budget"] == b), None)
             if r and all(k is not None for k in r["k_per_layer"]):
-                ax.plot(range(len(r["k_per_layer"])), r["k_per_layer"], marker=".", label=method)
+                shift = (n - len(methods) / 2) * 0.03          # methods that agree stay visible side by side
+                ax.plot([i + shift for i in range(len(r["k_per_layer"]))], r["k_per_layer"], marker=".",
+                        ls=styles[n % len(styles)], label=method)
         ax.set_title(f"B = {b:.0%} of full")
         ax.set_xlabel("MoE layer (shallow -> deep)")
     axes[0][0].set_ylabel("K_l (activations per token)")
