@@ -52,7 +52,7 @@ def default_seq_len(model) -> int:
 
 def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
     """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window)."""
-    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False)["input_ids"]
+    ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < MIN_TOKENS:
