@@ -125,6 +125,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--work-dir", type=Path, default=ROOT / "runs" / "builtin")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--model-out", type=Path, default=MODEL_OUT,
+                        help="where the finished model goes (default: the package's built-in model folder)")
     parser.add_argument("--rescale-routed", type=float, default=None,
                         help="stage 2: multiply routed experts' down projections by this, then fine-tune")
     parser.add_argument("--finetune-steps", type=int, default=200, help="stage 2 steps (fresh cosine schedule)")
@@ -172,23 +174,25 @@ def main() -> None:
                     "gen": gen.get_state(), "step": step, "curve": curve}, tmp)
         os.replace(tmp, ckpt)
 
+    def train_step(batch, opt, sched) -> tuple[float, float]:
+        out = model(input_ids=batch, labels=batch)
+        aux = load_balancing_loss(out.router_logits, config.num_experts_per_tok)
+        opt.zero_grad(set_to_none=True)
+        (out.loss + args.aux_loss * aux).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        return out.loss.item(), aux.item()
+
     stream = batches(train_ids, args.seq_len, args.batch_size, gen)
     deadline = time.time() + args.max_minutes * 60
     bar = tqdm(total=args.steps, initial=step, desc="train")
     model.train()
     while step < args.steps and time.time() < deadline:
-        batch = next(stream)
-        out = model(input_ids=batch, labels=batch)
-        aux = load_balancing_loss(out.router_logits, config.num_experts_per_tok)
-        loss = out.loss + args.aux_loss * aux
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
+        lm_loss, aux = train_step(next(stream), opt, sched)
         step += 1
         bar.update(1)
-        bar.set_postfix(loss=f"{out.loss.item():.3f}", aux=f"{aux.item():.3f}")
+        bar.set_postfix(loss=f"{lm_loss:.3f}", aux=f"{aux:.3f}")
         if step % args.eval_every == 0 or step == args.steps:
             curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len,
                           "val_perplexity": evaluate(model, val_ids, args.seq_len)})
@@ -214,27 +218,20 @@ def main() -> None:
         curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len, "stage": 2,
                       "val_perplexity": evaluate(model, val_ids, args.seq_len)})
         for _ in tqdm(range(n), desc="stage 2"):
-            batch = next(stream)
-            out = model(input_ids=batch, labels=batch)
-            loss = out.loss + args.aux_loss * load_balancing_loss(out.router_logits, config.num_experts_per_tok)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            opt.step()
-            sched.step()
+            train_step(next(stream), opt, sched)
             step += 1
             if step % args.eval_every == 0:
                 curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len, "stage": 2,
                               "val_perplexity": evaluate(model, val_ids, args.seq_len)})
                 print(json.dumps(curve[-1]), flush=True)
 
-    MODEL_OUT.mkdir(parents=True, exist_ok=True)
+    args.model_out.mkdir(parents=True, exist_ok=True)
     config.output_router_logits = False
-    model.save_pretrained(MODEL_OUT, safe_serialization=True)
-    tok.save_pretrained(MODEL_OUT)
-    (MODEL_OUT / "training_curve.json").write_text(json.dumps(
+    model.save_pretrained(args.model_out, safe_serialization=True)
+    tok.save_pretrained(args.model_out)
+    (args.model_out / "training_curve.json").write_text(json.dumps(
         {"args": {k: str(v) for k, v in vars(args).items()}, "curve": curve}, indent=1) + "\n")
-    print(f"saved to {MODEL_OUT}")
+    print(f"saved to {args.model_out}")
 
 
 if __name__ == "__main__":
