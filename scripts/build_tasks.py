@@ -2,13 +2,14 @@
 
 Deterministic (fixed seed, sorted inputs, stable JSON): rerunning writes the same bytes. Tasks:
 
-  allocmoe_lastword  LAMBADA-style: a passage of 40-120 words; predict its final word (greedy
-                     match of the whole word's tokens). Chance: ~0 (open vocabulary).
+  allocmoe_lastword  LAMBADA-style: a passage of 40-120 words whose final word also occurs earlier
+                     in it (the context is needed); predict that word (greedy match of all its
+                     tokens). Chance: ~0 (open vocabulary).
   allocmoe_cloze     a 30-80 word context from a document; choose its true next sentence among 4
                      (3 distractors are sentences drawn from other documents of similar length).
                      Chance: 25%.
-  allocmoe_source    a 25-60 word passage; choose its source: "the King James Bible" or "an American
-                     text from 1961" (the Brown corpus). Chance: 50% (classes balanced).
+  allocmoe_style     a 30-80 word context; choose its true next sentence among 4, the 3 distractors
+                     drawn from the *other* source (Bible vs 1961 American prose). Chance: 25%.
 
     python scripts/build_tasks.py [--out DIR]
 """
@@ -71,24 +72,27 @@ metadata:
   version: 1.0
   chance: 0.25
 """,
-    "allocmoe_source": """task: allocmoe_source
+    "allocmoe_style": """task: allocmoe_style
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {dir}/allocmoe_source.jsonl
+    test: {dir}/allocmoe_style.jsonl
 test_split: test
 output_type: multiple_choice
-doc_to_text: "{{{{passage}}}}\\nThis passage is from"
-doc_to_choice: ["the King James Bible.", "an American text from 1961."]
+doc_to_text: context
+doc_to_choice: choices
 doc_to_target: label
 target_delimiter: " "
 metric_list:
   - metric: acc
     aggregation: mean
     higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
 metadata:
   version: 1.0
-  chance: 0.5
+  chance: 0.25
 """,
 }
 
@@ -114,7 +118,9 @@ def lastword(docs: list[str], rng: random.Random) -> list[dict]:
             n = rng.randint(40, 120)
             span = words[start:start + n]
             target = re.sub(r"[^\w'-]+$", "", span[-1])
-            if len(span) == n and re.fullmatch(r"[A-Za-z][A-Za-z'-]{2,}", target or ""):
+            earlier = " ".join(span[:-1])
+            if (len(span) == n and re.fullmatch(r"[A-Za-z][A-Za-z'-]{2,}", target or "")
+                    and re.search(rf"\b{re.escape(target)}\b", earlier)):    # as in LAMBADA: context tells
                 items.append({"context": " ".join(span[:-1]), "target": target})
     rng.shuffle(items)
     return items[:PER_TASK]
@@ -140,24 +146,29 @@ def cloze(docs: list[str], rng: random.Random) -> list[dict]:
     return items[:PER_TASK]
 
 
-def source(docs: list[str], rng: random.Random) -> list[dict]:
-    by_label: dict[int, list[dict]] = {0: [], 1: []}
+def style(docs: list[str], rng: random.Random) -> list[dict]:
+    """Context from one source; the true next sentence against 3 from documents of the other source."""
+    pools = {flag: [s for d in docs if is_bible(d) == flag for s in sentences(d) if 6 <= len(s.split()) <= 40]
+             for flag in (True, False)}
+    items = []
     for doc in docs:
-        words = doc.replace("\n", " ").split()
-        label = 0 if is_bible(doc) else 1
-        for start in range(0, max(0, len(words) - 60), 200):
-            by_label[label].append({"passage": " ".join(words[start:start + rng.randint(25, 60)]), "label": label})
-    n = min(PER_TASK // 2, len(by_label[0]), len(by_label[1]))
-    items = rng.sample(by_label[0], n) + rng.sample(by_label[1], n)
+        sents = sentences(doc)
+        for j in range(3, len(sents) - 1, 9):
+            context, true = " ".join(sents[max(0, j - 4):j]), sents[j]
+            if not (30 <= len(context.split()) <= 80 and 6 <= len(true.split()) <= 40):
+                continue
+            choices = rng.sample(pools[not is_bible(doc)], 3) + [true]
+            rng.shuffle(choices)
+            items.append({"context": context, "choices": choices, "label": choices.index(true)})
     rng.shuffle(items)
-    return items
+    return items[:PER_TASK]
 
 
 def build(out: Path) -> dict[str, int]:
     docs = documents()
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for name, maker in (("allocmoe_lastword", lastword), ("allocmoe_cloze", cloze), ("allocmoe_source", source)):
+    for name, maker in (("allocmoe_lastword", lastword), ("allocmoe_cloze", cloze), ("allocmoe_style", style)):
         items = maker(docs, random.Random(f"{SEED}:{name}"))
         lines = "".join(json.dumps(item, ensure_ascii=False, sort_keys=True) + "\n" for item in items)
         (out / f"{name}.jsonl").write_text(lines, encoding="utf-8")

@@ -18,7 +18,7 @@ from typing import Any
 from ..errors import AllocMoeError
 
 TASKS_DIR = Path(__file__).resolve().parents[1] / "builtin" / "tasks"
-OFFLINE_TASKS = ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_source")
+OFFLINE_TASKS = ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_style")
 
 
 def _lm_eval():
