@@ -58,6 +58,11 @@ class LayerStats:
         self.activations = self.activations + (counts * valid).sum()
         self.tokens = self.tokens + valid.sum()
 
+    def add_uniform(self, k: int, valid: torch.Tensor) -> None:
+        real = valid.sum()
+        self.activations = self.activations + k * real
+        self.tokens = self.tokens + real
+
 
 def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig: int,
                     ctx: RoutingContext, stats: LayerStats, renormalize: bool | None):
@@ -66,11 +71,16 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])           # [T, H]
         scores = adapter.score(router, hidden)
+        valid = ctx.valid_mask(hidden.size(0), hidden.device)                 # [T]
+        if isinstance(policy, StaticTopK) and not ctx.recorders:              # fast path: no per-token counts
+            index = scores.ranking.topk(policy.k, dim=-1).indices             # [T, k]
+            weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
+            stats.add_uniform(policy.k, valid)
+            return scores.logits, weights, index
         cand_idx = scores.ranking.topk(k_orig, dim=-1).indices                # [T, K] best first
         # [T, K]; made non-increasing along the ranking (a no-op unless the family ranks by another
         # key, as DeepSeek-V3's bias does), so every policy's choice is a prefix of the ranking
         cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
-        valid = ctx.valid_mask(hidden.size(0), hidden.device)                 # [T]
         counts = policy.counts(cand_probs, valid, ctx.batch_size)             # [T]
         width = policy.k if isinstance(policy, StaticTopK) else max(1, int(counts.max()))
         keep = prefix_mask(counts, width)                                     # [T, W]
