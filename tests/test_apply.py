@@ -138,3 +138,15 @@ def test_applying_twice_is_refused():
     with apply_plan(model, plan):
         with pytest.raises(AllocMoeError, match="already applied"):
             apply_plan(model, plan)
+
+
+@torch.no_grad()
+def test_alloc_t_on_a_single_token_is_static_top_round_k():
+    model = build_tiny("deepseek_v2")
+    ids = torch.randint(0, 96, (1, 1))
+    with apply_plan(model, plan_of(model, lambda i: StaticTopK(3))):
+        static = model(ids).logits
+    with apply_plan(model, plan_of(model, lambda i: AllocT(2.5, k_base=1))) as handle:
+        alloc_t = model(ids).logits
+        assert handle.activations_per_token() == 3 * 2                      # round_half_up(2.5) in 2 layers
+    assert (static - alloc_t).abs().max() <= 1e-6

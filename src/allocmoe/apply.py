@@ -13,6 +13,7 @@ Shape legend: T = tokens in the pass, E = routed experts, K = K_orig, W = widest
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -23,7 +24,7 @@ from .adapters import MoEAdapter, MoELayer, adapter_for_model
 from .errors import AllocMoeError
 from .experts import compact_experts_forward
 from .plan import Plan
-from .policies import Policy, StaticTopK, prefix_mask
+from .policies import AllocT, Policy, StaticTopK, prefix_mask
 
 # Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
 # routed pass: each token's ranked candidates, their probabilities, and how many it keeps.
@@ -64,6 +65,16 @@ class LayerStats:
         self.tokens = self.tokens + real
 
 
+def _static_k(policy: Policy, valid: torch.Tensor) -> int | None:
+    """The k every token gets when the policy cannot vary it: static top-k, or Alloc-T on a single
+    real token (decode of one sequence), where the pool rule gives k_base + round_half_up(k - k_base)."""
+    if isinstance(policy, StaticTopK):
+        return policy.k
+    if isinstance(policy, AllocT) and valid.numel() == 1 and bool(valid[0]):
+        return int(math.floor(policy.k + 0.5))
+    return None
+
+
 def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig: int,
                     ctx: RoutingContext, stats: LayerStats, renormalize: bool | None):
     router, num_experts = layer.router, adapter.num_experts()
@@ -72,10 +83,11 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])           # [T, H]
         scores = adapter.score(router, hidden)
         valid = ctx.valid_mask(hidden.size(0), hidden.device)                 # [T]
-        if isinstance(policy, StaticTopK) and not ctx.recorders:              # fast path: no per-token counts
-            index = scores.ranking.topk(policy.k, dim=-1).indices             # [T, k]
+        static_k = _static_k(policy, valid) if not ctx.recorders else None
+        if static_k is not None:                                              # fast path: no per-token counts
+            index = scores.ranking.topk(static_k, dim=-1).indices             # [T, k]
             weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
-            stats.add_uniform(policy.k, valid)
+            stats.add_uniform(static_k, valid)
             return scores.logits, weights, index
         cand_idx = scores.ranking.topk(k_orig, dim=-1).indices                # [T, K] best first
         # [T, K]; made non-increasing along the ranking (a no-op unless the family ranks by another
