@@ -29,6 +29,29 @@ OUT = ROOT / "src" / "allocmoe" / "builtin" / "tasks"
 SEED = 1234
 PER_TASK = 400
 
+MULTIPLE_CHOICE_YAML = """task: {name}
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {{dir}}/{name}.jsonl
+test_split: test
+output_type: multiple_choice
+doc_to_text: context
+doc_to_choice: choices
+doc_to_target: label
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: acc_norm
+    aggregation: mean
+    higher_is_better: true
+metadata:
+  version: 1.0
+  chance: 0.25
+"""
+
 YAML = {
     "allocmoe_lastword": """task: allocmoe_lastword
 dataset_path: json
@@ -50,50 +73,7 @@ metadata:
   version: 1.0
   chance: 0.0
 """,
-    "allocmoe_cloze": """task: allocmoe_cloze
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/allocmoe_cloze.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: context
-doc_to_choice: choices
-doc_to_target: label
-target_delimiter: " "
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-  chance: 0.25
-""",
-    "allocmoe_style": """task: allocmoe_style
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/allocmoe_style.jsonl
-test_split: test
-output_type: multiple_choice
-doc_to_text: context
-doc_to_choice: choices
-doc_to_target: label
-target_delimiter: " "
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: acc_norm
-    aggregation: mean
-    higher_is_better: true
-metadata:
-  version: 1.0
-  chance: 0.25
-""",
+    **{name: MULTIPLE_CHOICE_YAML.format(name=name) for name in ("allocmoe_cloze", "allocmoe_style")},
 }
 
 
