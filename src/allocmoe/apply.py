@@ -13,7 +13,6 @@ Shape legend: T = tokens in the pass, E = routed experts, K = K_orig, W = widest
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -24,7 +23,7 @@ from .adapters import MoEAdapter, MoELayer, adapter_for_model
 from .errors import AllocMoeError
 from .experts import compact_experts_forward
 from .plan import Plan
-from .policies import AllocT, Policy, StaticTopK, prefix_mask
+from .policies import AllocT, Policy, StaticTopK, expected_alloc_t_activations, prefix_mask
 
 # Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
 # routed pass: each token's ranked candidates, their probabilities, and how many it keeps.
@@ -71,7 +70,7 @@ def _static_k(policy: Policy, valid: torch.Tensor) -> int | None:
     if isinstance(policy, StaticTopK):
         return policy.k
     if isinstance(policy, AllocT) and valid.numel() == 1 and bool(valid[0]):
-        return int(math.floor(policy.k + 0.5))
+        return expected_alloc_t_activations(policy.k, policy.k_base, 1)
     return None
 
 

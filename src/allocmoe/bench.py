@@ -44,6 +44,20 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+def _cache_of(out):
+    """The KV cache of a model output (transformers 5 names it `cache`, 4.x `past_key_values`)."""
+    return out.past_key_values if hasattr(out, "past_key_values") else out.cache
+
+
+def free_memory_bytes(device: torch.device) -> int:
+    """Memory still free on `device`: the CUDA allocator's view, or the host's available pages."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    import os
+
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
 @torch.no_grad()
 def _prefill(model, ids):
     out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
@@ -59,7 +73,7 @@ def time_once(model, ids: torch.Tensor, output_len: int) -> tuple[float, float]:
     out = _prefill(model, ids)
     _sync(device)
     prefill = time.perf_counter() - t0
-    cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    cache = _cache_of(out)
     next_ids = out.logits[:, -1:].argmax(-1)
     mask = torch.ones(ids.size(0), ids.size(1) + output_len, dtype=torch.long, device=device)
     _sync(device)
@@ -67,7 +81,7 @@ def time_once(model, ids: torch.Tensor, output_len: int) -> tuple[float, float]:
     for step in range(output_len):
         out = model(input_ids=next_ids, cache=cache, use_cache=True,
                     attention_mask=mask[:, : ids.size(1) + step + 1])
-        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        cache = _cache_of(out)
         next_ids = out.logits[:, -1:].argmax(-1)
     _sync(device)
     return prefill, (time.perf_counter() - t0) / output_len
@@ -88,12 +102,7 @@ def check_memory(model, config: BenchConfig) -> None:
     per_token_kv = 2 * c.num_hidden_layers * c.hidden_size * elem * 2       # generous: K and V, MLA expanded
     peak_acts = config.batch_size * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
     need = tokens * per_token_kv + peak_acts
-    if param.device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(param.device)
-    else:
-        import os
-
-        free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    free = free_memory_bytes(param.device)
     if need > free * 0.9:
         raise AllocMoeError(f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens needs about "
                             f"{need / 2**30:.1f} GiB for cache and activations but {free / 2**30:.1f} GiB is free; "
@@ -112,11 +121,11 @@ def _distinct_experts(model, plan, ids, steps: int) -> float:
         handle.context.recorders.append(record)
         out = _prefill(model, ids)
         seen.clear()
-        cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+        cache = _cache_of(out)
         next_ids = out.logits[:, -1:].argmax(-1)
         for _ in range(steps):
             out = model(input_ids=next_ids, cache=cache, use_cache=True)
-            cache = out.past_key_values if hasattr(out, "past_key_values") else out.cache
+            cache = _cache_of(out)
             next_ids = out.logits[:, -1:].argmax(-1)
     return sum(seen) / max(len(seen), 1)
 
@@ -237,9 +246,7 @@ def cmd_bench(args) -> None:
         cfg = synthetic_config(args.model, args.num_layers)
         need = parameter_bytes(cfg, dtype)
         if device == "cpu":
-            import os
-
-            free = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+            free = free_memory_bytes(torch.device("cpu"))
             if need > 0.8 * free:
                 raise AllocMoeError(f"{args.model} with {cfg.num_hidden_layers} layers needs {need / 2**30:.1f} GiB "
                                     f"of weights, {free / 2**30:.1f} GiB is free; pass a smaller --num-layers")
