@@ -3,8 +3,8 @@
 Deterministic (fixed seed, sorted inputs, stable JSON): rerunning writes the same bytes. Tasks:
 
   allocmoe_lastword  LAMBADA-style: a passage of 40-120 words whose final word also occurs earlier
-                     in it (the context is needed); predict that word (greedy match of all its
-                     tokens). Chance: ~0 (open vocabulary).
+                     in it; choose that word among 4, the 3 distractors being other words of the
+                     same passage (so copying from the context alone does not tell). Chance: 25%.
   allocmoe_cloze     a 30-80 word context from a document; choose its true next sentence among 4
                      (3 distractors are sentences drawn from other documents of similar length).
                      Chance: 25%.
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "src" / "allocmoe" / "builtin" / "data"
 OUT = ROOT / "src" / "allocmoe" / "builtin" / "tasks"
 SEED = 1234
-PER_TASK = 400
+PER_TASK = 800
 
 MULTIPLE_CHOICE_YAML = """task: {name}
 dataset_path: json
@@ -47,34 +47,16 @@ metric_list:
   - metric: acc_norm
     aggregation: mean
     higher_is_better: true
+  - metric: brier_score
+    aggregation: brier_score
+    higher_is_better: false
 metadata:
   version: 1.0
   chance: 0.25
 """
 
-YAML = {
-    "allocmoe_lastword": """task: allocmoe_lastword
-dataset_path: json
-dataset_kwargs:
-  data_files:
-    test: {dir}/allocmoe_lastword.jsonl
-test_split: test
-output_type: loglikelihood
-doc_to_text: context
-doc_to_target: target
-metric_list:
-  - metric: acc
-    aggregation: mean
-    higher_is_better: true
-  - metric: perplexity
-    aggregation: perplexity
-    higher_is_better: false
-metadata:
-  version: 1.0
-  chance: 0.0
-""",
-    **{name: MULTIPLE_CHOICE_YAML.format(name=name) for name in ("allocmoe_cloze", "allocmoe_style")},
-}
+YAML = {name: MULTIPLE_CHOICE_YAML.format(name=name)
+        for name in ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_style")}
 
 
 def documents() -> list[str]:
@@ -92,16 +74,24 @@ def is_bible(doc: str) -> bool:
 
 def lastword(docs: list[str], rng: random.Random) -> list[dict]:
     items = []
+    word = re.compile(r"[A-Za-z][A-Za-z'-]{2,}")
     for doc in docs:
         words = doc.replace("\n", " ").split()
-        for start in range(0, max(0, len(words) - 130), 150):
+        for start in range(0, max(0, len(words) - 130), 50):
             n = rng.randint(40, 120)
             span = words[start:start + n]
             target = re.sub(r"[^\w'-]+$", "", span[-1])
             earlier = " ".join(span[:-1])
-            if (len(span) == n and re.fullmatch(r"[A-Za-z][A-Za-z'-]{2,}", target or "")
-                    and re.search(rf"\b{re.escape(target)}\b", earlier)):    # as in LAMBADA: context tells
-                items.append({"context": " ".join(span[:-1]), "target": target})
+            if len(span) != n or not word.fullmatch(target or ""):
+                continue
+            if not re.search(rf"\b{re.escape(target)}\b", earlier):     # as in LAMBADA: context tells
+                continue
+            others = sorted({w.lower(): w for w in word.findall(earlier) if w.lower() != target.lower()}.values())
+            if len(others) < 3:
+                continue
+            choices = rng.sample(others, 3) + [target]
+            rng.shuffle(choices)
+            items.append({"context": earlier, "choices": choices, "label": choices.index(target)})
     rng.shuffle(items)
     return items[:PER_TASK]
 
@@ -111,7 +101,7 @@ def cloze(docs: list[str], rng: random.Random) -> list[dict]:
     items = []
     for i, doc in enumerate(docs):
         sents = sentences(doc)
-        for j in range(3, len(sents) - 1, 5):
+        for j in range(3, len(sents) - 1, 2):
             context = " ".join(sents[max(0, j - 4):j])
             true = sents[j]
             if not (30 <= len(context.split()) <= 80 and 6 <= len(true.split()) <= 40):
@@ -133,7 +123,7 @@ def style(docs: list[str], rng: random.Random) -> list[dict]:
     items = []
     for doc in docs:
         sents = sentences(doc)
-        for j in range(3, len(sents) - 1, 9):
+        for j in range(3, len(sents) - 1, 3):
             context, true = " ".join(sents[max(0, j - 4):j]), sents[j]
             if not (30 <= len(context.split()) <= 80 and 6 <= len(true.split()) <= 40):
                 continue

@@ -36,8 +36,9 @@ def test_an_offline_task_runs_through_lm_eval_and_a_plan_changes_its_metrics(tin
     full = run_tasks(model, tok, ["allocmoe_lastword"], limit=12, batch_size=4)["allocmoe_lastword"]
     with apply_plan(model, static_plan(model, [1, 1, 1])):
         cut = run_tasks(model, tok, ["allocmoe_lastword"], limit=12, batch_size=4)["allocmoe_lastword"]
-    assert set(full) >= {"acc", "perplexity"}
-    assert full["perplexity"] != cut["perplexity"]
+    assert set(full) >= {"acc", "acc_norm", "brier_score"}
+    assert 0 <= full["acc"] <= 1 and 0 <= full["brier_score"] <= 2
+    assert full["brier_score"] != cut["brier_score"]      # continuous in the choices' log-likelihoods
 
 
 def test_missing_extra_or_unknown_task_is_a_clear_error(tiny_folder, monkeypatch):
