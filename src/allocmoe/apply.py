@@ -93,7 +93,7 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig
         # key, as DeepSeek-V3's bias does), so every policy's choice is a prefix of the ranking
         cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
         counts = policy.counts(cand_probs, valid, ctx.batch_size)             # [T]
-        width = policy.k if isinstance(policy, StaticTopK) else max(1, int(counts.max()))
+        width = policy.k if isinstance(policy, StaticTopK) else k_orig         # no host sync on counts
         keep = prefix_mask(counts, width)                                     # [T, W]
         index = cand_idx[:, :width]                                           # [T, W]
         weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]

@@ -66,7 +66,10 @@ class AllocT:
             pools = extra_scores.reshape(1, -1)                                          # [1, T*(K-k_base)]
             tokens_per_pool = valid.sum().reshape(1)                                     # [1]
         extra_per_pool = torch.floor((self.k - self.k_base) * tokens_per_pool.double() + 0.5).long()  # [B]
-        width = int(extra_per_pool.max())
+        # An upper bound on extra_per_pool from shapes alone (every slot of the pool real), so the
+        # selection needs no device-to-host sync; in_budget trims it to the real budget.
+        tokens_per_pool_max = pools.size(1) // max(1, k_orig - self.k_base)
+        width = min(pools.size(1), math.floor((self.k - self.k_base) * tokens_per_pool_max + 0.5))
         chosen = torch.zeros_like(pools, dtype=torch.bool)
         if width > 0:
             top = pools.topk(width, dim=-1).indices                                      # [B, width]
