@@ -20,13 +20,23 @@ from allocmoe.io_utils import atomic_write_json
 from allocmoe.models import BUILTIN_MODEL
 
 
-def last_fifth_improvement(curve: list[dict]) -> tuple[float, int, int]:
-    """Validation improvement over (at least) the last fifth of the final training stage: from the
-    last measured point at or before the fifth's start to the end. Returns (gain, from_step, to_step)."""
-    stage = [p for p in curve if p.get("stage", 1) == curve[-1].get("stage", 1)]
-    start, end = stage[0]["step"], stage[-1]["step"]
-    fifth = [p for p in stage if p["step"] <= start + 0.8 * (end - start)][-1]
-    return fifth["val_perplexity"] / stage[-1]["val_perplexity"] - 1, fifth["step"], end
+def last_fifth_improvement(curve: list[dict], stage: int | None = None) -> tuple[float, int, int]:
+    """Validation improvement over (at least) the last fifth of one training stage (default: the
+    final one): from the last measured point at or before 80% of the stage's steps to its end.
+    Stage 1 counts from step 0. Returns (gain, from_step, to_step)."""
+    stage = curve[-1].get("stage", 1) if stage is None else stage
+    points = [p for p in curve if p.get("stage", 1) == stage]
+    start, end = (0 if stage == 1 else points[0]["step"]), points[-1]["step"]
+    fifth = [p for p in points if p["step"] <= start + 0.8 * (end - start)][-1]
+    return fifth["val_perplexity"] / points[-1]["val_perplexity"] - 1, fifth["step"], end
+
+
+def _stage1(curve: list[dict]) -> dict:
+    """Stage 1's own last-fifth figure, when a second stage followed it."""
+    if curve[-1].get("stage", 1) == 1:
+        return {}
+    gain, fifth_step, end = last_fifth_improvement(curve, stage=1)
+    return {"stage1_last_fifth_improvement": gain, "stage1_last_fifth_steps": [fifth_step, end]}
 
 
 def main() -> None:
@@ -66,6 +76,7 @@ def main() -> None:
         "deterministic": plain[0] == plain[1], "unpatched_perplexity": plain[0],
         "validation_last_fifth_improvement": last_fifth_gain,
         "last_fifth_steps": [fifth_step, end],
+        **_stage1(curve),
         "parameters": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "seconds": round(time.time() - started, 1),
