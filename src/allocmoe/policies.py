@@ -68,8 +68,8 @@ class AllocT:
         extra_per_pool = torch.floor((self.k - self.k_base) * tokens_per_pool.double() + 0.5).long()  # [B]
         # An upper bound on extra_per_pool from shapes alone (every slot of the pool real), so the
         # selection needs no device-to-host sync; in_budget trims it to the real budget.
-        tokens_per_pool_max = pools.size(1) // max(1, k_orig - self.k_base)
-        width = min(pools.size(1), math.floor((self.k - self.k_base) * tokens_per_pool_max + 0.5))
+        full_pool = pools.size(1) // max(1, k_orig - self.k_base)                       # tokens a pool holds
+        width = expected_alloc_t_activations(self.k, self.k_base, full_pool) - self.k_base * full_pool
         chosen = torch.zeros_like(pools, dtype=torch.bool)
         if width > 0:
             top = pools.topk(width, dim=-1).indices                                      # [B, width]
