@@ -54,6 +54,29 @@ def test_missing_extra_or_unknown_task_is_a_clear_error(tiny_folder, monkeypatch
         harness.run_tasks(model, tok, ["allocmoe_lastword"])
 
 
+@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
+def test_an_unknown_task_is_refused_before_any_scoring_or_profiling(tiny_folder, monkeypatch):
+    import importlib
+
+    from allocmoe import AllocMoeError, api
+    from allocmoe.texts import read_text
+
+    sweep_module = importlib.import_module("allocmoe.sweep")
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("work started before the task names were checked")
+
+    for module, name in ((api, "evaluate_perplexity"), (sweep_module, "evaluate_perplexity"),
+                         (sweep_module, "profile_sensitivity")):
+        monkeypatch.setattr(module, name, no_work)
+    with pytest.raises(AllocMoeError, match="unknown lm-eval task"):
+        api.evaluate_model(tiny_folder, tasks=["no_such_task"])
+    model, tok = load_model(tiny_folder)
+    text = read_text(None, "test")[0]
+    with pytest.raises(AllocMoeError, match="unknown lm-eval task"):
+        sweep_module.sweep(model, tok, text, text, {"tasks": ("no_such_task",)})
+
+
 def test_statistics_against_hand_computed_cases():
     assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([10.0, 20, 30, 40])) == pytest.approx(1.0)
     assert spearman(torch.tensor([1.0, 2, 3, 4]), torch.tensor([4.0, 3, 2, 1])) == pytest.approx(-1.0)

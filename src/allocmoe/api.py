@@ -28,9 +28,9 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
     fingerprint = model_fingerprint(net)
     full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
     if tasks:
-        from .evaluate.harness import _lm_eval
+        from .evaluate.harness import check_tasks
 
-        _lm_eval()                                  # fail before any work if the extra is missing
+        check_tasks(tasks, (task_options or {}).get("include_path"))    # fail before any work
     handle = apply_plan(net, plan) if plan is not None else None
     try:
         result = evaluate_perplexity(net, tok, body, config)

@@ -69,6 +69,10 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     fingerprint = model_fingerprint(model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     budgets = [Budget.parse(b, num_layers, k_orig) for b in config.budgets]      # fail fast on a bad one
+    if config.tasks:
+        from .evaluate.harness import check_tasks
+
+        check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
     seq_len = config.seq_len or default_seq_len(model)
     eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
     needs_profile = any(m in ("alloc-moe", "alloc-l", "auto") for m in config.methods)
@@ -80,9 +84,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
                                       calib_name=text_names[0])
     ppl_config = {"batch_size": config.batch_size, "progress": False}
     if config.tasks:
-        from .evaluate.harness import _lm_eval, run_tasks
-
-        _lm_eval()                                  # fail before profiling if the extra is missing
+        from .evaluate.harness import run_tasks
 
         def score_tasks():
             return run_tasks(model, tokenizer, list(config.tasks), config.num_fewshot, config.task_limit,

@@ -10,6 +10,7 @@ with the real folder filled in, so the suite works wherever allocmoe is installe
 
 from __future__ import annotations
 
+import functools
 import os
 import tempfile
 from pathlib import Path
@@ -39,20 +40,31 @@ def offline_task_dir() -> str:
     return str(out)
 
 
-def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
-              include_path: str | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
-    """{task: {metric: value}} for `tasks` on the live model (apply a plan before calling)."""
-    lm_eval, HFLM = _lm_eval()
+@functools.lru_cache(maxsize=None)
+def _task_manager(include_path: str | None):
+    """lm-eval's task index over the offline suite (and include_path); built once per process."""
     from lm_eval.tasks import TaskManager
 
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
-    paths = [offline_task_dir()] + ([include_path] if include_path else [])
-    manager = TaskManager(include_path=paths)
-    unknown = [t for t in tasks if t not in manager.all_tasks]
+    return TaskManager(include_path=[offline_task_dir()] + ([include_path] if include_path else []))
+
+
+def check_tasks(tasks: list[str] | tuple[str, ...], include_path: str | None = None) -> None:
+    """Fail before any work if the [eval] extra is missing or a task name is unknown."""
+    _lm_eval()
+    unknown = [t for t in tasks if t not in _task_manager(include_path).all_tasks]
     if unknown:
         raise AllocMoeError(f"unknown lm-eval task(s) {unknown}; offline tasks: {', '.join(OFFLINE_TASKS)} "
                             "(or pass --include-path DIR with your own YAML)")
+
+
+def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
+              include_path: str | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
+    """{task: {metric: value}} for `tasks` on the live model (apply a plan before calling)."""
+    lm_eval, HFLM = _lm_eval()
+    check_tasks(tasks, include_path)
+    manager = _task_manager(include_path)
     device = str(next(model.parameters()).device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     try:
