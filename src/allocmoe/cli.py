@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 from .errors import AllocMoeError
+from .texts import OFFLINE_TASKS
 
 
 def _add_model(p: argparse.ArgumentParser) -> None:
@@ -28,7 +29,7 @@ def _add_model(p: argparse.ArgumentParser) -> None:
 
 def _add_tasks(p: argparse.ArgumentParser) -> None:
     p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs allocmoe[eval]); offline: "
-                   "allocmoe_lastword,allocmoe_cloze,allocmoe_style")
+                   + ",".join(OFFLINE_TASKS))
     p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval few-shot examples")
     p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N examples per task")
     p.add_argument("--include-path", default=None, help="folder of extra lm-eval task YAMLs")

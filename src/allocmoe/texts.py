@@ -13,6 +13,10 @@ from pathlib import Path
 from .errors import AllocMoeError
 
 BUILTIN_DATA = Path(__file__).resolve().parent / "builtin" / "data"
+# The offline lm-eval suite built from the test split by scripts/build_tasks.py. Named here, in a
+# module that imports nothing heavy, so the CLI's help can list them without loading lm-eval.
+BUILTIN_TASKS = Path(__file__).resolve().parent / "builtin" / "tasks"
+OFFLINE_TASKS = ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_style")
 BUILTIN_SPLITS = ("train", "calibration", "test")
 
 

@@ -17,9 +17,8 @@ from pathlib import Path
 from typing import Any
 
 from ..errors import AllocMoeError
-
-TASKS_DIR = Path(__file__).resolve().parents[1] / "builtin" / "tasks"
-OFFLINE_TASKS = ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_style")
+from ..texts import BUILTIN_TASKS as TASKS_DIR
+from ..texts import OFFLINE_TASKS
 
 
 def _lm_eval():
