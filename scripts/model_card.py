@@ -77,6 +77,7 @@ def main() -> None:
         "validation_last_fifth_improvement": last_fifth_gain,
         "last_fifth_steps": [fifth_step, end],
         **_stage1(curve),
+        "stage2_rounds_val_top1_over_full": [p["val_top1_over_full"] for p in curve if "val_top1_over_full" in p],
         "parameters": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "seconds": round(time.time() - started, 1),
@@ -89,14 +90,22 @@ def main() -> None:
 
     from allocmoe.report import _save_png
 
-    fig, ax = plt.subplots(figsize=(6, 3.5))
+    rounds = [p for p in curve if "val_top1_over_full" in p]      # stage 2's rounds, when there are any
+    fig, axes = plt.subplots(1, 2 if rounds else 1, figsize=(10 if rounds else 6, 3.5), squeeze=False)
+    ax = axes[0, 0]
     for stage in sorted({p.get("stage", 1) for p in curve}):
         pts = [(p["tokens"] / 1e6, p["val_perplexity"]) for p in curve if p.get("stage", 1) == stage]
-        ax.plot(*zip(*pts), marker=".", label=f"stage {stage}")
+        ax.plot(*zip(*pts), marker=".", label="stage 1" if stage == 1 else f"stage 2, round {stage - 1}")
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
-    ax.legend()
+    ax.legend(fontsize=7)
+    if rounds:
+        ax = axes[0, 1]
+        ax.plot([p["stage"] - 1 for p in rounds], [p["val_top1_over_full"] for p in rounds], marker="o")
+        ax.set_xlabel("stage 2 round")
+        ax.set_ylabel("top-1 / full perplexity (validation)")
+        ax.set_title("what a budget cut costs, round by round", fontsize=9)
     _save_png(fig, Path(__file__).resolve().parents[1] / "docs" / "training_curve.png")
     print("| K (uniform) | " + " | ".join(str(k) for k in ppl) + " |")
     print("|---|" + "---|" * len(ppl))
