@@ -14,11 +14,12 @@ python scripts/model_card.py | tee "$work/card.md"
 time allocmoe sweep --output-dir "$work/sweep"
 cp "$work/sweep"/{results.json,results.md,quality_vs_activations.png,allocations.png} docs/sweep/
 
-for method in alloc-moe uniform; do
+for method in alloc-moe alloc-l uniform; do
   allocmoe allocate --profile "$work/sweep/profile.json" --budget 0.5 --method "$method" --output "$work/$method.json"
 done
 allocmoe eval --tasks "$tasks" --max-tokens 2048 --output-json docs/tasks/tasks_none.json
 allocmoe eval --tasks "$tasks" --max-tokens 2048 --plan "$work/alloc-moe.json" --output-json docs/tasks/tasks_allocmoe.json
+allocmoe eval --tasks "$tasks" --max-tokens 2048 --plan "$work/alloc-l.json" --output-json docs/tasks/tasks_allocl.json
 allocmoe eval --tasks "$tasks" --max-tokens 2048 --plan "$work/uniform.json" --output-json docs/tasks/tasks_uniform.json
 
 allocmoe analyze --plan "$work/alloc-moe.json" --output-dir docs
