@@ -67,6 +67,7 @@ def main() -> None:
     plain = [evaluate_perplexity(m, tok, "", cfg, windows=windows).perplexity for m in (first, again)]
     curve = json.loads((BUILTIN_MODEL / "training_curve.json").read_text())["curve"]
     last_fifth_gain, fifth_step, end = last_fifth_improvement(curve)
+    rounds = [p for p in curve if "val_top1_over_full" in p]      # stage 2's rounds, when there are any
     card = {
         "test_tokens_scored": int(windows.numel() - windows.size(0)), "seq_len": 512,
         "uniform_perplexity": {str(k): v for k, v in ppl.items()},
@@ -77,7 +78,7 @@ def main() -> None:
         "validation_last_fifth_improvement": last_fifth_gain,
         "last_fifth_steps": [fifth_step, end],
         **_stage1(curve),
-        "stage2_rounds_val_top1_over_full": [p["val_top1_over_full"] for p in curve if "val_top1_over_full" in p],
+        "stage2_rounds_val_top1_over_full": [p["val_top1_over_full"] for p in rounds],
         "parameters": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "seconds": round(time.time() - started, 1),
@@ -90,7 +91,6 @@ def main() -> None:
 
     from allocmoe.report import _save_png
 
-    rounds = [p for p in curve if "val_top1_over_full" in p]      # stage 2's rounds, when there are any
     fig, axes = plt.subplots(1, 2 if rounds else 1, figsize=(10 if rounds else 6, 3.5), squeeze=False)
     ax = axes[0, 0]
     for stage in sorted({p.get("stage", 1) for p in curve}):

@@ -121,7 +121,8 @@ def top1_over_full(model, ids: torch.Tensor, seq_len: int) -> float:
     """How much uniform top-1 costs on validation text: its perplexity over the full model's."""
     from allocmoe import apply_plan, static_plan
 
-    with apply_plan(model, static_plan(model, [1] * (MODEL_SHAPE["num_hidden_layers"] - 1))):
+    moe_layers = MODEL_SHAPE["num_hidden_layers"] - MODEL_SHAPE["first_k_dense_replace"]
+    with apply_plan(model, static_plan(model, [1] * moe_layers)):
         top1 = evaluate(model, ids, seq_len)
     return top1 / evaluate(model, ids, seq_len)
 
