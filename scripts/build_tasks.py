@@ -10,6 +10,11 @@ Deterministic (fixed seed, sorted inputs, stable JSON): rerunning writes the sam
                      Chance: 25%.
   allocmoe_style     a 30-80 word context; choose its true next sentence among 4, the 3 distractors
                      drawn from the *other* source (Bible vs 1961 American prose). Chance: 25%.
+  allocmoe_nextword  a 40-120 word passage; predict its next word with no choices given, scored as
+                     lm-eval scores LAMBADA: acc = the greedy continuation is exactly the word, plus
+                     word perplexity. Open vocabulary, so more items and a finer measure than the
+                     4-way tasks. Chance: always answering the commonest target word (the YAML's
+                     metadata.chance, 6.65%: "the").
 
     python scripts/build_tasks.py [--out DIR]
 """
@@ -21,6 +26,7 @@ import json
 import lzma
 import random
 import re
+from collections import Counter
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +34,7 @@ DATA = ROOT / "src" / "allocmoe" / "builtin" / "data"
 OUT = ROOT / "src" / "allocmoe" / "builtin" / "tasks"
 SEED = 1234
 PER_TASK = 800
+NEXTWORD_ITEMS = 2000            # open-vocabulary items are cheap to score: more of them, smaller error
 
 MULTIPLE_CHOICE_YAML = """task: {name}
 dataset_path: json
@@ -55,8 +62,27 @@ metadata:
   chance: 0.25
 """
 
-YAML = {name: MULTIPLE_CHOICE_YAML.format(name=name)
-        for name in ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_style")}
+NEXTWORD_YAML = """task: allocmoe_nextword
+dataset_path: json
+dataset_kwargs:
+  data_files:
+    test: {{dir}}/allocmoe_nextword.jsonl
+test_split: test
+output_type: loglikelihood
+doc_to_text: context
+doc_to_target: target
+target_delimiter: " "
+metric_list:
+  - metric: acc
+    aggregation: mean
+    higher_is_better: true
+  - metric: perplexity
+    aggregation: perplexity
+    higher_is_better: false
+metadata:
+  version: 1.0
+  chance: {chance}
+"""
 
 
 def documents() -> list[str]:
@@ -134,15 +160,38 @@ def style(docs: list[str], rng: random.Random) -> list[dict]:
     return items[:PER_TASK]
 
 
+def nextword(docs: list[str], rng: random.Random) -> list[dict]:
+    items = []
+    word = re.compile(r"[A-Za-z][A-Za-z'-]*")
+    for doc in docs:
+        words = doc.replace("\n", " ").split()
+        for start in range(0, max(0, len(words) - 130), 25):
+            n = rng.randint(40, 120)
+            span = words[start:start + n]
+            target = re.sub(r"[^\w'-]+$", "", span[-1])                  # "earth." -> "earth"
+            if len(span) == n and word.fullmatch(target):
+                items.append({"context": " ".join(span[:-1]), "target": target})
+    rng.shuffle(items)
+    return items[:NEXTWORD_ITEMS]
+
+
+def commonest_target_rate(items: list[dict]) -> float:
+    """The accuracy of always answering the commonest target word: this task's chance rate."""
+    return round(Counter(i["target"] for i in items).most_common(1)[0][1] / len(items), 4)
+
+
 def build(out: Path) -> dict[str, int]:
     docs = documents()
     out.mkdir(parents=True, exist_ok=True)
     counts = {}
-    for name, maker in (("allocmoe_lastword", lastword), ("allocmoe_cloze", cloze), ("allocmoe_style", style)):
+    for name, maker in (("allocmoe_lastword", lastword), ("allocmoe_cloze", cloze), ("allocmoe_style", style),
+                        ("allocmoe_nextword", nextword)):
         items = maker(docs, random.Random(f"{SEED}:{name}"))
         lines = "".join(json.dumps(item, ensure_ascii=False, sort_keys=True) + "\n" for item in items)
         (out / f"{name}.jsonl").write_text(lines, encoding="utf-8")
-        (out / f"{name}.yaml").write_text(YAML[name].format(dir="${TASK_DIR}"), encoding="utf-8")
+        yaml = (NEXTWORD_YAML.format(chance=commonest_target_rate(items)) if name == "allocmoe_nextword"
+                else MULTIPLE_CHOICE_YAML.format(name=name))
+        (out / f"{name}.yaml").write_text(yaml.format(dir="${TASK_DIR}"), encoding="utf-8")
         counts[name] = len(items)
     return counts
 

@@ -2,6 +2,7 @@
 
 import filecmp
 import importlib.util
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -39,6 +40,23 @@ def test_an_offline_task_runs_through_lm_eval_and_a_plan_changes_its_metrics(tin
     assert set(full) >= {"acc", "acc_norm", "brier_score"}
     assert 0 <= full["acc"] <= 1 and 0 <= full["brier_score"] <= 2
     assert full["brier_score"] != cut["brier_score"]      # continuous in the choices' log-likelihoods
+
+
+@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
+def test_the_open_vocabulary_task_scores_word_perplexity_and_a_plan_changes_it(tiny_folder):
+    from allocmoe.evaluate.harness import run_tasks
+
+    model, tok = load_model(tiny_folder)
+    full = run_tasks(model, tok, ["allocmoe_nextword"], limit=12, batch_size=4)["allocmoe_nextword"]
+    with apply_plan(model, static_plan(model, [1, 1, 1])):
+        cut = run_tasks(model, tok, ["allocmoe_nextword"], limit=12, batch_size=4)["allocmoe_nextword"]
+    assert set(full) >= {"acc", "perplexity"}
+    assert 0 <= full["acc"] <= 1 and full["perplexity"] > 1
+    assert full["perplexity"] != cut["perplexity"]
+    hits = round(full["acc"] * 12)                      # the standard error of 12 0/1 scores, by statistics
+    scores = [1.0] * hits + [0.0] * (12 - hits)
+    assert full["sample_len"] == 12
+    assert full["acc_stderr"] == pytest.approx(statistics.stdev(scores) / 12 ** 0.5 if 0 < hits < 12 else 0.0)
 
 
 def test_missing_extra_or_unknown_task_is_a_clear_error(tiny_folder, monkeypatch):

@@ -16,7 +16,7 @@ BUILTIN_DATA = Path(__file__).resolve().parent / "builtin" / "data"
 # The offline lm-eval suite built from the test split by scripts/build_tasks.py. Named here, in a
 # module that imports nothing heavy, so the CLI's help can list them without loading lm-eval.
 BUILTIN_TASKS = Path(__file__).resolve().parent / "builtin" / "tasks"
-OFFLINE_TASKS = ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_style")
+OFFLINE_TASKS = ("allocmoe_lastword", "allocmoe_cloze", "allocmoe_style", "allocmoe_nextword")
 BUILTIN_SPLITS = ("train", "calibration", "test")
 
 

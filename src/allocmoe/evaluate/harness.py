@@ -76,7 +76,16 @@ def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None
     for task, metrics in out["results"].items():
         results[task] = {key.split(",")[0]: float(value) for key, value in metrics.items()
                          if isinstance(value, (int, float)) and "stderr" not in key}
+        results[task].update(_accuracy_stderrs(results[task]))
     return results
+
+
+def _accuracy_stderrs(metrics: dict[str, float]) -> dict[str, float]:
+    """Standard errors of the accuracy metrics, means of 0/1 over `sample_len` items: sqrt(p(1-p)/(n-1)),
+    lm-eval's own closed form, computed here because its bootstrap for the other metrics is slow."""
+    n = metrics.get("sample_len", 0)
+    return {f"{name}_stderr": (metrics[name] * (1 - metrics[name]) / (n - 1)) ** 0.5
+            for name in ("acc", "acc_norm") if name in metrics and n > 1}
 
 
 def _register() -> None:
