@@ -59,6 +59,33 @@ def test_the_open_vocabulary_task_scores_word_perplexity_and_a_plan_changes_it(t
     assert full["acc_stderr"] == pytest.approx(statistics.stdev(scores) / 12 ** 0.5 if 0 < hits < 12 else 0.0)
 
 
+@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
+def test_eval_json_carries_item_scores_that_compare_pairs_up(tiny_folder, tmp_path, capsys):
+    import json
+
+    from allocmoe import api
+    from allocmoe.cli import main
+
+    model, _ = load_model(tiny_folder)
+    plan_path = tmp_path / "plan.json"
+    static_plan(model, [1, 1, 1]).save(plan_path)
+    runs = {}
+    for name, plan in (("full", None), ("cut", plan_path)):
+        runs[name] = api.evaluate_model(tiny_folder, plan=plan, max_tokens=256, tasks=["allocmoe_cloze"],
+                                        task_options={"limit": 10})
+        (tmp_path / f"{name}.json").write_text(json.dumps(runs[name]))
+    items = runs["full"]["task_items"]["allocmoe_cloze"]
+    assert len(items["acc"]) == 10 and set(items["acc"]) <= {0.0, 1.0}
+    # the per-item scores average to lm-eval's own aggregate
+    assert sum(items["acc"]) / 10 == pytest.approx(runs["full"]["tasks"]["allocmoe_cloze"]["acc"])
+    main(["compare", str(tmp_path / "full.json"), str(tmp_path / "cut.json"), "--output-json",
+          str(tmp_path / "cmp.json")])
+    row = json.loads((tmp_path / "cmp.json").read_text())["tasks"]["allocmoe_cloze"]
+    expected = runs["full"]["tasks"]["allocmoe_cloze"]["acc"] - runs["cut"]["tasks"]["allocmoe_cloze"]["acc"]
+    assert row["difference"] == pytest.approx(expected) and row["items"] == 10
+    assert "| allocmoe_cloze | 10 |" in capsys.readouterr().out
+
+
 def test_missing_extra_or_unknown_task_is_a_clear_error(tiny_folder, monkeypatch):
     from allocmoe import AllocMoeError
     from allocmoe.evaluate import harness

@@ -18,8 +18,8 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
                    trust_remote_code: bool = False, tasks: list[str] | None = None,
                    task_options: dict[str, Any] | None = None) -> dict[str, Any]:
     """Perplexity of a model folder (default: built-in) with an optional plan, on a text file
-    (default: the built-in test split); with `tasks`, also lm-eval task metrics (the [eval] extra).
-    Returns the JSON-ready result."""
+    (default: the built-in test split); with `tasks`, also lm-eval task metrics (the [eval] extra)
+    and each item's scores, which `allocmoe compare` pairs up. Returns the JSON-ready result."""
     config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
     body, text_name = read_text(text, "test")
     net, tok = load_model(model, trust_remote_code=trust_remote_code)
@@ -39,15 +39,15 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
         else:
             measured = handle.activations_per_token()
             per_layer = {str(i): v for i, v in handle.layer_activations().items()}
-        task_results = None
+        task_results = task_items = None
         if tasks:
-            from .evaluate.harness import run_tasks
+            from .evaluate.harness import score_tasks
 
-            task_results = run_tasks(net, tok, tasks, batch_size=batch_size, **(task_options or {}))
+            task_results, task_items = score_tasks(net, tok, tasks, batch_size=batch_size, **(task_options or {}))
     finally:
         if handle is not None:
             handle.remove()
-    extra = {"tasks": task_results} if tasks else {}
+    extra = {"tasks": task_results, "task_items": task_items} if tasks else {}
     return {**result.to_dict(), **extra, "activations_per_token": measured, "full_activations_per_token": full,
             "budget_fraction_measured": measured / full, "activations_per_layer": per_layer,
             "plan": None if plan is None else {"method": plan.method, "budget": plan.budget},

@@ -125,6 +125,18 @@ def cmd_sweep(args) -> None:
           file=sys.stderr)
 
 
+def cmd_compare(args) -> None:
+    from .evaluate.paired import compare_files, markdown
+
+    comparison = compare_files(args.a, args.b, args.metric)
+    print(markdown(comparison, (args.a, args.b), args.metric))
+    if args.output_json:
+        from .io_utils import atomic_write_json
+
+        atomic_write_json(args.output_json, {"a": args.a, "b": args.b, "metric": args.metric, "tasks": comparison})
+        print(f"wrote {args.output_json}", file=sys.stderr)
+
+
 def cmd_analyze(args) -> None:
     from .analyze import analyze_plan, write_analysis
     from .evaluate.perplexity import default_seq_len, tokenize_windows
@@ -190,6 +202,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--output-dir", default="allocmoe-sweep", help="folder for results (default allocmoe-sweep)")
     _add_tasks(p)
     p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("compare", help="paired task-accuracy difference of two `eval --tasks` results")
+    p.add_argument("a", help="eval JSON (from `allocmoe eval --tasks ... --output-json`)")
+    p.add_argument("b", help="eval JSON of the same tasks, e.g. another plan")
+    p.add_argument("--metric", default="acc", choices=("acc", "acc_norm"), help="per-item metric (acc)")
+    p.add_argument("--output-json", default=None, help="also write the comparison here")
+    p.set_defaults(func=cmd_compare)
 
     p = sub.add_parser("analyze", help="experts vs routing entropy, expert load vs the unmodified model")
     _add_model(p)

@@ -11,6 +11,7 @@ with the real folder filled in, so the suite works wherever allocmoe is installe
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import tempfile
 from pathlib import Path
@@ -61,6 +62,14 @@ def check_tasks(tasks: list[str] | tuple[str, ...], include_path: str | None = N
 def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
               include_path: str | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} for `tasks` on the live model (apply a plan before calling)."""
+    return score_tasks(model, tokenizer, tasks, num_fewshot, limit, include_path, batch_size)[0]
+
+
+def score_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
+                include_path: str | None = None, batch_size: int = 8) -> tuple[dict, dict]:
+    """As `run_tasks`, and also each item's 0/1 scores, for paired comparisons (evaluate.paired):
+    ({task: {metric: value}}, {task: {"acc": [...], "acc_norm": [...], "items_digest": str}}), items
+    in lm-eval's doc order; the digest names the items scored, so two runs can be checked alike."""
     lm_eval, HFLM = _lm_eval()
     check_tasks(tasks, include_path)
     manager = _task_manager(include_path)
@@ -68,7 +77,7 @@ def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     try:
         out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, log_samples=False, bootstrap_iters=0)
+                                      task_manager=manager, log_samples=True, bootstrap_iters=0)
     except (FileNotFoundError, ConnectionError, OSError) as exc:
         raise AllocMoeError(f"lm-eval could not load a task's data offline ({str(exc).splitlines()[0]}); "
                             "hub tasks need their datasets in the local Hugging Face cache") from None
@@ -77,7 +86,16 @@ def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None
         results[task] = {key.split(",")[0]: float(value) for key, value in metrics.items()
                          if isinstance(value, (int, float)) and "stderr" not in key}
         results[task].update(_accuracy_stderrs(results[task]))
-    return results
+    items = {task: _item_scores(samples) for task, samples in out.get("samples", {}).items()}
+    return results, items
+
+
+def _item_scores(samples: list[dict]) -> dict:
+    samples = sorted(samples, key=lambda s: s["doc_id"])
+    scores: dict = {name: [float(s[name]) for s in samples] for name in ("acc", "acc_norm")
+                    if samples and name in samples[0]}
+    scores["items_digest"] = hashlib.sha256("".join(s["doc_hash"] for s in samples).encode()).hexdigest()[:16]
+    return scores
 
 
 def _accuracy_stderrs(metrics: dict[str, float]) -> dict[str, float]:

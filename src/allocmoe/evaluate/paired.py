@@ -1,0 +1,69 @@
+"""Is one plan's task accuracy really higher than another's? A paired comparison on the same items.
+
+Two plans of one model scored on the same items agree on most of them, so the difference of their
+accuracies is known far more precisely than either accuracy: its standard error is that of the
+per-item differences, stdev(a_i - b_i) / sqrt(n), not sqrt(se_a^2 + se_b^2). Reads the per-item
+scores that `allocmoe eval --tasks ... --output-json` writes under "task_items".
+"""
+
+from __future__ import annotations
+
+import math
+import os
+
+from ..errors import AllocMoeError
+from ..io_utils import read_json
+
+
+def paired_difference(a: list[float], b: list[float]) -> dict[str, float]:
+    """Mean of a - b over paired items, its standard error, and how many items each alone got."""
+    if len(a) != len(b) or not a:
+        raise AllocMoeError(f"paired scores need the same non-zero number of items (got {len(a)} and {len(b)})")
+    n = len(a)
+    diffs = [x - y for x, y in zip(a, b)]                  # per item: +1, 0 or -1 for 0/1 scores
+    mean = sum(diffs) / n
+    stderr = math.sqrt(sum((d - mean) ** 2 for d in diffs) / (n - 1) / n) if n > 1 else None
+    return {"items": n, "a": sum(a) / n, "b": sum(b) / n, "difference": mean, "stderr": stderr,
+            "z": mean / stderr if stderr else None,             # None: one item, or every item alike
+            "a_only": sum(d > 0 for d in diffs), "b_only": sum(d < 0 for d in diffs)}
+
+
+def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str] = ("A", "B")) -> dict[str, dict]:
+    """{task: paired_difference} for every task both results scored, from `allocmoe eval` JSON."""
+    items = []
+    for result, name in zip((a, b), names):
+        if not isinstance(result, dict) or not isinstance(result.get("task_items"), dict):
+            raise AllocMoeError(f"{name} has no per-item task scores: make it with "
+                                "`allocmoe eval --tasks ... --output-json FILE`")
+        items.append(result["task_items"])
+    tasks = sorted(set(items[0]) & set(items[1]))
+    if not tasks:
+        raise AllocMoeError(f"{names[0]} and {names[1]} share no task; evaluate both on the same --tasks")
+    out = {}
+    for task in tasks:
+        x, y = items[0][task], items[1][task]
+        if x.get("items_digest") != y.get("items_digest"):
+            raise AllocMoeError(f"{task} was scored on different items in {names[0]} and {names[1]} "
+                                "(another --limit, --num-fewshot or task version); evaluate both alike")
+        if metric not in x or metric not in y:
+            raise AllocMoeError(f"{task} has no per-item {metric!r}; per-item metrics: acc, acc_norm")
+        out[task] = paired_difference(x[metric], y[metric])
+    return out
+
+
+def compare_files(path_a: str | os.PathLike, path_b: str | os.PathLike, metric: str = "acc") -> dict[str, dict]:
+    return compare_results(read_json(path_a, "eval result"), read_json(path_b, "eval result"), metric,
+                           (str(path_a), str(path_b)))
+
+
+def markdown(comparison: dict[str, dict], names: tuple[str, str], metric: str = "acc") -> str:
+    a, b = names
+    lines = [f"| task | items | {metric}: {a} | {metric}: {b} | difference | paired std. error | z "
+             f"| right only in {a} | right only in {b} |", "|---|---|---|---|---|---|---|---|---|"]
+    def fmt(value, spec):
+        return "n/a" if value is None else format(value, spec)
+
+    for task, r in comparison.items():
+        lines.append(f"| {task} | {r['items']} | {r['a']:.3f} | {r['b']:.3f} | {r['difference']:+.3f} "
+                     f"| {fmt(r['stderr'], '.3f')} | {fmt(r['z'], '+.1f')} | {r['a_only']} | {r['b_only']} |")
+    return "\n".join(lines)
