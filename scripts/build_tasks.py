@@ -98,26 +98,31 @@ def is_bible(doc: str) -> bool:
     return bool(re.search(r"\b(LORD|unto|thee|thou|hath)\b", doc[:2000]))
 
 
+def passages(docs: list[str], rng: random.Random, stride: int):
+    """(context, final word without trailing punctuation) of 40-120 word passages, one every `stride` words."""
+    for doc in docs:
+        words = doc.replace("\n", " ").split()
+        for start in range(0, max(0, len(words) - 130), stride):
+            n = rng.randint(40, 120)
+            span = words[start:start + n]
+            if len(span) == n:
+                yield " ".join(span[:-1]), re.sub(r"[^\w'-]+$", "", span[-1])      # "earth." -> "earth"
+
+
 def lastword(docs: list[str], rng: random.Random) -> list[dict]:
     items = []
     word = re.compile(r"[A-Za-z][A-Za-z'-]{2,}")
-    for doc in docs:
-        words = doc.replace("\n", " ").split()
-        for start in range(0, max(0, len(words) - 130), 50):
-            n = rng.randint(40, 120)
-            span = words[start:start + n]
-            target = re.sub(r"[^\w'-]+$", "", span[-1])
-            earlier = " ".join(span[:-1])
-            if len(span) != n or not word.fullmatch(target or ""):
-                continue
-            if not re.search(rf"\b{re.escape(target)}\b", earlier):     # as in LAMBADA: context tells
-                continue
-            others = sorted({w.lower(): w for w in word.findall(earlier) if w.lower() != target.lower()}.values())
-            if len(others) < 3:
-                continue
-            choices = rng.sample(others, 3) + [target]
-            rng.shuffle(choices)
-            items.append({"context": earlier, "choices": choices, "label": choices.index(target)})
+    for earlier, target in passages(docs, rng, 50):
+        if not word.fullmatch(target):
+            continue
+        if not re.search(rf"\b{re.escape(target)}\b", earlier):     # as in LAMBADA: context tells
+            continue
+        others = sorted({w.lower(): w for w in word.findall(earlier) if w.lower() != target.lower()}.values())
+        if len(others) < 3:
+            continue
+        choices = rng.sample(others, 3) + [target]
+        rng.shuffle(choices)
+        items.append({"context": earlier, "choices": choices, "label": choices.index(target)})
     rng.shuffle(items)
     return items[:PER_TASK]
 
@@ -161,16 +166,9 @@ def style(docs: list[str], rng: random.Random) -> list[dict]:
 
 
 def nextword(docs: list[str], rng: random.Random) -> list[dict]:
-    items = []
     word = re.compile(r"[A-Za-z][A-Za-z'-]*")
-    for doc in docs:
-        words = doc.replace("\n", " ").split()
-        for start in range(0, max(0, len(words) - 130), 25):
-            n = rng.randint(40, 120)
-            span = words[start:start + n]
-            target = re.sub(r"[^\w'-]+$", "", span[-1])                  # "earth." -> "earth"
-            if len(span) == n and word.fullmatch(target):
-                items.append({"context": " ".join(span[:-1]), "target": target})
+    items = [{"context": context, "target": target} for context, target in passages(docs, rng, 25)
+             if word.fullmatch(target)]
     rng.shuffle(items)
     return items[:NEXTWORD_ITEMS]
 
