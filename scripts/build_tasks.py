@@ -62,16 +62,17 @@ metadata:
   chance: 0.25
 """
 
+# lm-eval joins a loglikelihood task's context and target with no delimiter, so the target carries
+# its space (as in lm-eval's LAMBADA); otherwise "seeds" + "and" would be scored as "seedsand".
 NEXTWORD_YAML = """task: allocmoe_nextword
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {{dir}}/allocmoe_nextword.jsonl
+    test: {dir}/allocmoe_nextword.jsonl
 test_split: test
 output_type: loglikelihood
 doc_to_text: context
-doc_to_target: target
-target_delimiter: " "
+doc_to_target: "{{{{' ' + target}}}}"
 metric_list:
   - metric: acc
     aggregation: mean
@@ -187,9 +188,9 @@ def build(out: Path) -> dict[str, int]:
         items = maker(docs, random.Random(f"{SEED}:{name}"))
         lines = "".join(json.dumps(item, ensure_ascii=False, sort_keys=True) + "\n" for item in items)
         (out / f"{name}.jsonl").write_text(lines, encoding="utf-8")
-        yaml = (NEXTWORD_YAML.format(chance=commonest_target_rate(items)) if name == "allocmoe_nextword"
-                else MULTIPLE_CHOICE_YAML.format(name=name))
-        (out / f"{name}.yaml").write_text(yaml.format(dir="${TASK_DIR}"), encoding="utf-8")
+        yaml = (NEXTWORD_YAML.format(dir="${TASK_DIR}", chance=commonest_target_rate(items))
+                if name == "allocmoe_nextword" else MULTIPLE_CHOICE_YAML.format(name=name).format(dir="${TASK_DIR}"))
+        (out / f"{name}.yaml").write_text(yaml, encoding="utf-8")
         counts[name] = len(items)
     return counts
 

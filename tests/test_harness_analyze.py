@@ -43,6 +43,27 @@ def test_an_offline_task_runs_through_lm_eval_and_a_plan_changes_its_metrics(tin
 
 
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
+def test_every_offline_request_scores_a_whole_spaced_word_or_sentence(tiny_folder):
+    # lm-eval joins context and target with nothing between for loglikelihood tasks: a target without
+    # its space glues onto the context's last word ("seeds" + "and"), or tokenizes to nothing.
+    from lm_eval.models.huggingface import HFLM
+    from lm_eval.tasks import get_task_dict
+
+    from allocmoe.evaluate.harness import _task_manager
+    from allocmoe.texts import OFFLINE_TASKS
+
+    model, tok = load_model(tiny_folder)
+    lm = HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu")
+    for name, task in get_task_dict(list(OFFLINE_TASKS), _task_manager(None)).items():
+        task.build_all_requests(limit=None, rank=0, world_size=1)
+        for request in task.instances:
+            context, target = request.args
+            assert target.startswith(" ") and not context.endswith(" "), (name, context[-30:], target)
+            context_ids, target_ids = lm._encode_pair(context, target)
+            assert target_ids and tok.decode(target_ids) == target, (name, target)
+
+
+@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
 def test_the_open_vocabulary_task_scores_word_perplexity_and_a_plan_changes_it(tiny_folder):
     from allocmoe.evaluate.harness import run_tasks
 

@@ -81,6 +81,9 @@ def score_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = No
     except (FileNotFoundError, ConnectionError, OSError) as exc:
         raise AllocMoeError(f"lm-eval could not load a task's data offline ({str(exc).splitlines()[0]}); "
                             "hub tasks need their datasets in the local Hugging Face cache") from None
+    except AssertionError as exc:
+        raise AllocMoeError(f"lm-eval refused a request of {', '.join(tasks)} ({exc or 'an internal check'}); "
+                            "most often a target that tokenizes to nothing: does it start with its space?") from None
     results: dict[str, dict[str, float]] = {}
     for task, metrics in out["results"].items():
         results[task] = {key.split(",")[0]: float(value) for key, value in metrics.items()
