@@ -67,7 +67,9 @@ def main() -> None:
     plain = [evaluate_perplexity(m, tok, "", cfg, windows=windows).perplexity for m in (first, again)]
     curve = json.loads((BUILTIN_MODEL / "training_curve.json").read_text())["curve"]
     last_fifth_gain, fifth_step, end = last_fifth_improvement(curve)
-    rounds = [p for p in curve if "val_top1_over_full" in p]      # stage 2's rounds, when there are any
+    # stage 2's rounds and the balancing stage's end, when there are any
+    rounds = [p for p in curve if "val_top1_over_full" in p and p.get("phase") != "balance"]
+    balanced = [p for p in curve if "val_top1_over_full" in p and p.get("phase") == "balance"]
     card = {
         "test_tokens_scored": int(windows.numel() - windows.size(0)), "seq_len": 512,
         "uniform_perplexity": {str(k): v for k, v in ppl.items()},
@@ -79,6 +81,9 @@ def main() -> None:
         "last_fifth_steps": [fifth_step, end],
         **_stage1(curve),
         "stage2_rounds_val_top1_over_full": [p["val_top1_over_full"] for p in rounds],
+        **({"balancing_val_top1_over_full": balanced[-1]["val_top1_over_full"],
+            "balancing_val_min_expert_load": [p["val_min_expert_load"] for p in curve
+                                              if p.get("phase") == "balance"]} if balanced else {}),
         "parameters": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "seconds": round(time.time() - started, 1),
@@ -94,8 +99,10 @@ def main() -> None:
     fig, axes = plt.subplots(1, 2 if rounds else 1, figsize=(10 if rounds else 6, 3.5), squeeze=False)
     ax = axes[0, 0]
     for stage in sorted({p.get("stage", 1) for p in curve}):
-        pts = [(p["tokens"] / 1e6, p["val_perplexity"]) for p in curve if p.get("stage", 1) == stage]
-        ax.plot(*zip(*pts), marker=".", label="stage 1" if stage == 1 else f"stage 2, round {stage - 1}")
+        points = [p for p in curve if p.get("stage", 1) == stage]
+        label = ("stage 1" if stage == 1 else "balancing" if points[0].get("phase") == "balance"
+                 else f"stage 2, round {stage - 1}")
+        ax.plot([p["tokens"] / 1e6 for p in points], [p["val_perplexity"] for p in points], marker=".", label=label)
     ax.set_xlabel("training tokens (millions)")
     ax.set_ylabel("validation perplexity")
     ax.set_yscale("log")
@@ -103,6 +110,9 @@ def main() -> None:
     if rounds:
         ax = axes[0, 1]
         ax.plot([p["stage"] - 1 for p in rounds], [p["val_top1_over_full"] for p in rounds], marker="o")
+        if balanced:
+            ax.plot([len(rounds) + 1], [balanced[-1]["val_top1_over_full"]], marker="s", ls="", label="after balancing")
+            ax.legend(fontsize=7)
         ax.set_xlabel("stage 2 round")
         ax.set_ylabel("top-1 / full perplexity (validation)")
         ax.set_title("what a budget cut costs, round by round", fontsize=9)
