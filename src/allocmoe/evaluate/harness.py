@@ -82,7 +82,7 @@ def score_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = No
         raise AllocMoeError(f"lm-eval could not load a task's data offline ({str(exc).splitlines()[0]}); "
                             "hub tasks need their datasets in the local Hugging Face cache") from None
     except AssertionError as exc:
-        raise AllocMoeError(f"lm-eval refused a request of {', '.join(tasks)} ({exc or 'an internal check'}); "
+        raise AllocMoeError(f"lm-eval refused a request of {', '.join(tasks)} ({str(exc) or 'an internal check'}); "
                             "most often a target that tokenizes to nothing: does it start with its space?") from None
     results: dict[str, dict[str, float]] = {}
     for task, metrics in out["results"].items():
@@ -97,7 +97,9 @@ def _item_scores(samples: list[dict]) -> dict:
     samples = sorted(samples, key=lambda s: s["doc_id"])
     scores: dict = {name: [float(s[name]) for s in samples] for name in ("acc", "acc_norm")
                     if samples and name in samples[0]}
-    scores["items_digest"] = hashlib.sha256("".join(s["doc_hash"] for s in samples).encode()).hexdigest()[:16]
+    # the documents and the prompts (few-shot examples included) scored, in order
+    scored = "".join(s["doc_hash"] + s["prompt_hash"] for s in samples)
+    scores["items_digest"] = hashlib.sha256(scored.encode()).hexdigest()[:16]
     return scores
 
 
