@@ -30,16 +30,25 @@ def test_offline_task_files_are_reproducible_byte_for_byte(tmp_path):
 
 
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
-def test_an_offline_task_runs_through_lm_eval_and_a_plan_changes_its_metrics(tiny_folder):
+def test_offline_tasks_run_through_lm_eval_and_a_plan_changes_their_metrics(tiny_folder):
     from allocmoe.evaluate.harness import run_tasks
 
     model, tok = load_model(tiny_folder)
-    full = run_tasks(model, tok, ["allocmoe_lastword"], limit=12, batch_size=4)["allocmoe_lastword"]
+    tasks = ["allocmoe_lastword", "allocmoe_nextword"]          # multiple choice, open vocabulary
+    full = run_tasks(model, tok, tasks, limit=12, batch_size=4)
     with apply_plan(model, static_plan(model, [1, 1, 1])):
-        cut = run_tasks(model, tok, ["allocmoe_lastword"], limit=12, batch_size=4)["allocmoe_lastword"]
-    assert set(full) >= {"acc", "acc_norm", "brier_score"}
-    assert 0 <= full["acc"] <= 1 and 0 <= full["brier_score"] <= 2
-    assert full["brier_score"] != cut["brier_score"]      # continuous in the choices' log-likelihoods
+        cut = run_tasks(model, tok, tasks, limit=12, batch_size=4)
+    choice, word = full["allocmoe_lastword"], full["allocmoe_nextword"]
+    assert set(choice) >= {"acc", "acc_norm", "brier_score"} and set(word) >= {"acc", "perplexity"}
+    assert 0 <= choice["acc"] <= 1 and 0 <= choice["brier_score"] <= 2
+    assert 0 <= word["acc"] <= 1 and word["perplexity"] > 1
+    # both are continuous in the log-likelihoods, so any change of the model moves them
+    assert choice["brier_score"] != cut["allocmoe_lastword"]["brier_score"]
+    assert word["perplexity"] != cut["allocmoe_nextword"]["perplexity"]
+    hits = round(word["acc"] * 12)                      # the standard error of 12 0/1 scores, by statistics
+    scores = [1.0] * hits + [0.0] * (12 - hits)
+    assert word["sample_len"] == 12
+    assert word["acc_stderr"] == pytest.approx(statistics.stdev(scores) / 12 ** 0.5 if 0 < hits < 12 else 0.0)
 
 
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
@@ -61,23 +70,6 @@ def test_every_offline_request_scores_a_whole_spaced_word_or_sentence(tiny_folde
             assert target.startswith(" ") and not context.endswith(" "), (name, context[-30:], target)
             context_ids, target_ids = lm._encode_pair(context, target)
             assert target_ids and tok.decode(target_ids) == target, (name, target)
-
-
-@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
-def test_the_open_vocabulary_task_scores_word_perplexity_and_a_plan_changes_it(tiny_folder):
-    from allocmoe.evaluate.harness import run_tasks
-
-    model, tok = load_model(tiny_folder)
-    full = run_tasks(model, tok, ["allocmoe_nextword"], limit=12, batch_size=4)["allocmoe_nextword"]
-    with apply_plan(model, static_plan(model, [1, 1, 1])):
-        cut = run_tasks(model, tok, ["allocmoe_nextword"], limit=12, batch_size=4)["allocmoe_nextword"]
-    assert set(full) >= {"acc", "perplexity"}
-    assert 0 <= full["acc"] <= 1 and full["perplexity"] > 1
-    assert full["perplexity"] != cut["perplexity"]
-    hits = round(full["acc"] * 12)                      # the standard error of 12 0/1 scores, by statistics
-    scores = [1.0] * hits + [0.0] * (12 - hits)
-    assert full["sample_len"] == 12
-    assert full["acc_stderr"] == pytest.approx(statistics.stdev(scores) / 12 ** 0.5 if 0 < hits < 12 else 0.0)
 
 
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
