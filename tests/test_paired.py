@@ -37,7 +37,16 @@ def test_compare_refuses_results_it_cannot_pair():
         compare_results(_result("d1"), _result("d2"))
     with pytest.raises(AllocMoeError, match="share no task"):
         compare_results(_result(), {"task_items": {"other": {"acc": [1.0], "items_digest": "d1"}}})
-    with pytest.raises(AllocMoeError, match="no per-item 'acc_norm'"):
+    with pytest.raises(AllocMoeError, match="no shared task has per-item 'acc_norm'"):
         compare_results(_result(), _result(), metric="acc_norm")
     with pytest.raises(AllocMoeError, match="same non-zero number"):
         compare_results(_result(acc=(1.0,)), _result(acc=(1.0, 0.0)))
+
+
+def test_tasks_without_the_metric_are_left_out_not_fatal():
+    a, b = _result(), _result(acc=(0.0, 0.0, 1.0))
+    for result in (a, b):
+        result["task_items"]["u"] = {"acc": [1.0, 1.0], "acc_norm": [1.0, 0.0], "items_digest": "d9"}
+    assert list(compare_results(a, b, metric="acc_norm")) == ["u"]
+    assert list(compare_results(a, b)) == ["t", "u"]
+    assert compare_results(a, b)["t"]["difference"] == pytest.approx(1 / 3)

@@ -127,9 +127,13 @@ def cmd_sweep(args) -> None:
 
 def cmd_compare(args) -> None:
     from .evaluate.paired import compare_files, markdown
+    from .io_utils import read_json
 
     comparison = compare_files(args.a, args.b, args.metric)
     print(markdown(comparison, (args.a, args.b), args.metric))
+    skipped = sorted(set(read_json(args.a, "eval result").get("task_items", {})) - set(comparison))
+    if skipped:
+        print(f"not compared (no per-item {args.metric}, or only in {args.a}): {', '.join(skipped)}", file=sys.stderr)
     if args.output_json:
         from .io_utils import atomic_write_json
 

@@ -45,9 +45,10 @@ def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str
         if x.get("items_digest") != y.get("items_digest"):
             raise AllocMoeError(f"{task} was scored on different items in {names[0]} and {names[1]} "
                                 "(another --limit, --num-fewshot or task version); evaluate both alike")
-        if metric not in x or metric not in y:
-            raise AllocMoeError(f"{task} has no per-item {metric!r}; per-item metrics: acc, acc_norm")
-        out[task] = paired_difference(x[metric], y[metric])
+        if metric in x and metric in y:                  # e.g. open-vocabulary tasks have no acc_norm
+            out[task] = paired_difference(x[metric], y[metric])
+    if not out:
+        raise AllocMoeError(f"no shared task has per-item {metric!r} ({', '.join(tasks)}); try --metric acc")
     return out
 
 
