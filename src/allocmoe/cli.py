@@ -126,17 +126,16 @@ def cmd_sweep(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    from .evaluate.paired import compare_files, markdown
-    from .io_utils import read_json
+    from .evaluate.paired import compare_results, markdown
+    from .io_utils import atomic_write_json, read_json
 
-    comparison = compare_files(args.a, args.b, args.metric)
+    a, b = read_json(args.a, "eval result"), read_json(args.b, "eval result")
+    comparison = compare_results(a, b, args.metric, (args.a, args.b))
     print(markdown(comparison, (args.a, args.b), args.metric))
-    skipped = sorted(set(read_json(args.a, "eval result").get("task_items", {})) - set(comparison))
+    skipped = sorted(set(a.get("task_items", {})) - set(comparison))
     if skipped:
         print(f"not compared (no per-item {args.metric}, or only in {args.a}): {', '.join(skipped)}", file=sys.stderr)
     if args.output_json:
-        from .io_utils import atomic_write_json
-
         atomic_write_json(args.output_json, {"a": args.a, "b": args.b, "metric": args.metric, "tasks": comparison})
         print(f"wrote {args.output_json}", file=sys.stderr)
 

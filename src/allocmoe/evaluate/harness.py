@@ -62,7 +62,8 @@ def check_tasks(tasks: list[str] | tuple[str, ...], include_path: str | None = N
 def run_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
               include_path: str | None = None, batch_size: int = 8) -> dict[str, dict[str, float]]:
     """{task: {metric: value}} for `tasks` on the live model (apply a plan before calling)."""
-    return score_tasks(model, tokenizer, tasks, num_fewshot, limit, include_path, batch_size)[0]
+    out = _simple_evaluate(model, tokenizer, tasks, num_fewshot, limit, include_path, batch_size, log_samples=False)
+    return _task_metrics(out)
 
 
 def score_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = None, limit: int | None = None,
@@ -70,27 +71,34 @@ def score_tasks(model, tokenizer, tasks: list[str], num_fewshot: int | None = No
     """As `run_tasks`, and also each item's 0/1 scores, for paired comparisons (evaluate.paired):
     ({task: {metric: value}}, {task: {"acc": [...], "acc_norm": [...], "items_digest": str}}), items
     in lm-eval's doc order; the digest names the items scored, so two runs can be checked alike."""
+    out = _simple_evaluate(model, tokenizer, tasks, num_fewshot, limit, include_path, batch_size, log_samples=True)
+    return _task_metrics(out), {task: _item_scores(samples) for task, samples in out["samples"].items()}
+
+
+def _simple_evaluate(model, tokenizer, tasks, num_fewshot, limit, include_path, batch_size, log_samples: bool) -> dict:
     lm_eval, HFLM = _lm_eval()
     check_tasks(tasks, include_path)
     manager = _task_manager(include_path)
     device = str(next(model.parameters()).device)
     lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     try:
-        out = lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
-                                      task_manager=manager, log_samples=True, bootstrap_iters=0)
+        return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
+                                       task_manager=manager, log_samples=log_samples, bootstrap_iters=0)
     except (FileNotFoundError, ConnectionError, OSError) as exc:
         raise AllocMoeError(f"lm-eval could not load a task's data offline ({str(exc).splitlines()[0]}); "
                             "hub tasks need their datasets in the local Hugging Face cache") from None
     except AssertionError as exc:
         raise AllocMoeError(f"lm-eval refused a request of {', '.join(tasks)} ({str(exc) or 'an internal check'}); "
                             "most often a target that tokenizes to nothing: does it start with its space?") from None
+
+
+def _task_metrics(out: dict) -> dict[str, dict[str, float]]:
     results: dict[str, dict[str, float]] = {}
     for task, metrics in out["results"].items():
         results[task] = {key.split(",")[0]: float(value) for key, value in metrics.items()
                          if isinstance(value, (int, float)) and "stderr" not in key}
         results[task].update(_accuracy_stderrs(results[task]))
-    items = {task: _item_scores(samples) for task, samples in out.get("samples", {}).items()}
-    return results, items
+    return results
 
 
 def _item_scores(samples: list[dict]) -> dict:

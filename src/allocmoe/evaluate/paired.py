@@ -9,10 +9,8 @@ scores that `allocmoe eval --tasks ... --output-json` writes under "task_items".
 from __future__ import annotations
 
 import math
-import os
 
 from ..errors import AllocMoeError
-from ..io_utils import read_json
 
 
 def paired_difference(a: list[float], b: list[float]) -> dict[str, float]:
@@ -50,11 +48,6 @@ def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str
     if not out:
         raise AllocMoeError(f"no shared task has per-item {metric!r} ({', '.join(tasks)}); try --metric acc")
     return out
-
-
-def compare_files(path_a: str | os.PathLike, path_b: str | os.PathLike, metric: str = "acc") -> dict[str, dict]:
-    return compare_results(read_json(path_a, "eval result"), read_json(path_b, "eval result"), metric,
-                           (str(path_a), str(path_b)))
 
 
 def markdown(comparison: dict[str, dict], names: tuple[str, str], metric: str = "acc") -> str:
