@@ -67,9 +67,9 @@ def main() -> None:
     plain = [evaluate_perplexity(m, tok, "", cfg, windows=windows).perplexity for m in (first, again)]
     curve = json.loads((BUILTIN_MODEL / "training_curve.json").read_text())["curve"]
     last_fifth_gain, fifth_step, end = last_fifth_improvement(curve)
-    # stage 2's rounds and the balancing stage's end, when there are any
+    # stage 2's rounds' last points and the balancing stage's points, when there are any
     rounds = [p for p in curve if "val_top1_over_full" in p and p.get("phase") != "balance"]
-    balanced = [p for p in curve if "val_top1_over_full" in p and p.get("phase") == "balance"]
+    balanced = [p for p in curve if p.get("phase") == "balance"]
     card = {
         "test_tokens_scored": int(windows.numel() - windows.size(0)), "seq_len": 512,
         "uniform_perplexity": {str(k): v for k, v in ppl.items()},
@@ -82,8 +82,7 @@ def main() -> None:
         **_stage1(curve),
         "stage2_rounds_val_top1_over_full": [p["val_top1_over_full"] for p in rounds],
         **({"balancing_val_top1_over_full": balanced[-1]["val_top1_over_full"],
-            "balancing_val_min_expert_load": [p["val_min_expert_load"] for p in curve
-                                              if p.get("phase") == "balance"]} if balanced else {}),
+            "balancing_val_min_expert_load": [p["val_min_expert_load"] for p in balanced]} if balanced else {}),
         "parameters": sum(p.numel() for p in model.parameters()),
         "machine": f"{platform.machine()}, {torch.get_num_threads()} threads, torch {torch.__version__}",
         "seconds": round(time.time() - started, 1),

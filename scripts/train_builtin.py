@@ -34,10 +34,10 @@ to each round's last point).
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import lzma
 import math
-import os
 import random
 import time
 from pathlib import Path
@@ -45,6 +45,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 from tqdm import tqdm
+
+from allocmoe.io_utils import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "src" / "allocmoe" / "builtin" / "data"
@@ -132,10 +134,9 @@ def evaluate(model, ids: torch.Tensor, seq_len: int) -> float:
 def min_expert_load(model, ids: torch.Tensor, seq_len: int) -> float:
     """The least-loaded routed expert's share of the mean load (top-k slots), over all MoE layers."""
     model.eval()
-    counts = None
+    counts, k = None, model.config.num_experts_per_tok
     for chunk in ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len).split(16):
         logits = model(input_ids=chunk).router_logits                     # per MoE layer: [T, E]
-        k = model.config.num_experts_per_tok
         step = torch.stack([torch.bincount(lg.topk(k, -1).indices.flatten(), minlength=lg.size(-1))
                             for lg in logits]).float()                     # [layers, E]
         counts = step if counts is None else counts + step
@@ -204,9 +205,9 @@ def main() -> None:
     after_rounds = args.work_dir / "stage2.pt"   # the model after stage 2: a rerun resumes from there
 
     def save(path: Path, state: dict):
-        tmp = path.with_suffix(".tmp")
-        torch.save(state, tmp)
-        os.replace(tmp, path)
+        buffer = io.BytesIO()
+        torch.save(state, buffer)
+        atomic_write_bytes(path, buffer.getvalue())
 
     def train_step(batch, opt, sched, aux_coef: float) -> tuple[float, float]:
         out = model(input_ids=batch, labels=batch)
@@ -240,7 +241,8 @@ def main() -> None:
                 print(json.dumps(point(stage, **load())), flush=True)
                 model.train()
         curve[-1]["val_top1_over_full"] = top1_over_full(model, val_ids, args.seq_len)
-        curve[-1]["val_min_expert_load"] = min_expert_load(model, val_ids, args.seq_len)
+        if not measure_load:                        # else the last point has it already
+            curve[-1]["val_min_expert_load"] = min_expert_load(model, val_ids, args.seq_len)
         print(json.dumps(curve[-1]), flush=True)
 
     if args.rescale_routed and after_rounds.exists():
