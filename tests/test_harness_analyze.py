@@ -82,11 +82,15 @@ def test_eval_json_carries_item_scores_that_compare_pairs_up(tiny_folder, tmp_pa
     model, _ = load_model(tiny_folder)
     plan_path = tmp_path / "plan.json"
     static_plan(model, [1, 1, 1]).save(plan_path)
-    runs = {}
-    for name, plan in (("full", None), ("cut", plan_path)):
-        runs[name] = api.evaluate_model(tiny_folder, plan=plan, max_tokens=256, tasks=["allocmoe_cloze"],
-                                        task_options={"limit": 10})
-        (tmp_path / f"{name}.json").write_text(json.dumps(runs[name]))
+    runs = {"full": api.evaluate_model(tiny_folder, max_tokens=256, tasks=["allocmoe_cloze"],
+                                       task_options={"limit": 10})}
+    (tmp_path / "full.json").write_text(json.dumps(runs["full"]))
+    main(["eval", "--model", str(tiny_folder), "--plan", str(plan_path), "--max-tokens", "256",
+          "--tasks", "allocmoe_cloze", "--limit", "10", "--output-json", str(tmp_path / "cut.json")])
+    runs["cut"] = json.loads((tmp_path / "cut.json").read_text())
+    printed = json.loads(capsys.readouterr().out)      # the screen gets the summary, the file the items too
+    assert "task_items" not in printed and printed["tasks"] == runs["cut"]["tasks"]
+    assert len(runs["cut"]["task_items"]["allocmoe_cloze"]["acc"]) == 10
     items = runs["full"]["task_items"]["allocmoe_cloze"]
     assert len(items["acc"]) == 10 and set(items["acc"]) <= {0.0, 1.0}
     # the per-item scores average to lm-eval's own aggregate

@@ -23,7 +23,7 @@ def test_paired_difference_matches_a_hand_computed_case():
 def test_items_scored_alike_have_no_z_and_the_table_says_so():
     r = paired_difference([1, 0, 1], [1, 0, 1])
     assert r["difference"] == 0 and r["stderr"] == 0 and r["z"] is None
-    assert "n/a" in markdown({"t": r}, ("x.json", "y.json"))
+    assert "n/a" in markdown({"tasks": {"t": r}, "pooled": None}, ("x.json", "y.json"))
 
 
 def _result(digest="d1", acc=(1.0, 0.0, 1.0)):
@@ -47,6 +47,19 @@ def test_tasks_without_the_metric_are_left_out_not_fatal():
     a, b = _result(), _result(acc=(0.0, 0.0, 1.0))
     for result in (a, b):
         result["task_items"]["u"] = {"acc": [1.0, 1.0], "acc_norm": [1.0, 0.0], "items_digest": "d9"}
-    assert list(compare_results(a, b, metric="acc_norm")) == ["u"]
-    assert list(compare_results(a, b)) == ["t", "u"]
-    assert compare_results(a, b)["t"]["difference"] == pytest.approx(1 / 3)
+    only_u = compare_results(a, b, metric="acc_norm")
+    assert list(only_u["tasks"]) == ["u"] and only_u["pooled"] is None      # one task: nothing to pool
+    both = compare_results(a, b)
+    assert list(both["tasks"]) == ["t", "u"]
+    assert both["tasks"]["t"]["difference"] == pytest.approx(1 / 3)
+
+
+def test_pooled_row_weighs_every_item_alike():
+    a, b = _result(acc=(1.0, 0.0, 1.0)), _result(acc=(0.0, 0.0, 1.0))
+    a["task_items"]["u"] = {"acc": [0.0], "items_digest": "d9"}
+    b["task_items"]["u"] = {"acc": [1.0], "items_digest": "d9"}
+    pooled = compare_results(a, b)["pooled"]
+    # items' differences +1, 0, 0 (task t) and -1 (task u): mean 0, not the tasks' mean (1/3 - 1) / 2
+    assert (pooled["items"], pooled["difference"], pooled["a_only"], pooled["b_only"]) == (4, 0.0, 1, 1)
+    assert pooled["stderr"] == pytest.approx(statistics.stdev([1, 0, 0, -1]) / 2)
+    assert "| all items, pooled | 4 |" in markdown(compare_results(a, b), ("x", "y"))

@@ -41,13 +41,14 @@ def _load(args):
     return load_model(args.model, trust_remote_code=args.trust_remote_code)
 
 
-def _emit(obj, path: str | None) -> None:
+def _emit(obj, path: str | None, shown: dict | None = None) -> None:
+    """Write `obj` to `path` (atomically) if given; print `shown` (default: all of `obj`)."""
     from .io_utils import atomic_write_json
 
     if path:
         atomic_write_json(path, obj)
         print(f"wrote {path}", file=sys.stderr)
-    print(json.dumps(obj, indent=2))
+    print(json.dumps(obj if shown is None else shown, indent=2))
 
 
 def cmd_profile(args) -> None:
@@ -97,7 +98,11 @@ def cmd_eval(args) -> None:
                             trust_remote_code=args.trust_remote_code, tasks=tasks,
                             task_options={"num_fewshot": args.num_fewshot, "limit": args.limit,
                                           "include_path": args.include_path})
-    _emit(result, args.output_json)
+    # per-item scores (thousands of 0/1 values) go to the file, for `allocmoe compare`; not to the screen
+    shown = {key: value for key, value in result.items() if key != "task_items"}
+    if tasks and not args.output_json:
+        print("per-item scores, which `allocmoe compare` pairs up, are kept only with --output-json", file=sys.stderr)
+    _emit(result, args.output_json, shown)
 
 
 def cmd_sweep(args) -> None:
@@ -132,11 +137,11 @@ def cmd_compare(args) -> None:
     a, b = read_json(args.a, "eval result"), read_json(args.b, "eval result")
     comparison = compare_results(a, b, args.metric, (args.a, args.b))
     print(markdown(comparison, (args.a, args.b), args.metric))
-    skipped = sorted(set(a.get("task_items", {})) - set(comparison))
+    skipped = sorted(set(a.get("task_items", {})) - set(comparison["tasks"]))
     if skipped:
         print(f"not compared (no per-item {args.metric}, or only in {args.a}): {', '.join(skipped)}", file=sys.stderr)
     if args.output_json:
-        atomic_write_json(args.output_json, {"a": args.a, "b": args.b, "metric": args.metric, "tasks": comparison})
+        atomic_write_json(args.output_json, {"a": args.a, "b": args.b, "metric": args.metric, **comparison})
         print(f"wrote {args.output_json}", file=sys.stderr)
 
 

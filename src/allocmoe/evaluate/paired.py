@@ -4,6 +4,9 @@ Two plans of one model scored on the same items agree on most of them, so the di
 accuracies is known far more precisely than either accuracy: its standard error is that of the
 per-item differences, stdev(a_i - b_i) / sqrt(n), not sqrt(se_a^2 + se_b^2). Reads the per-item
 scores that `allocmoe eval --tasks ... --output-json` writes under "task_items".
+
+Across tasks, the items are also pooled into one paired difference, each item weighing the same
+(lm-eval's size-weighted group mean): more items, so a smaller error than any one task's.
 """
 
 from __future__ import annotations
@@ -27,7 +30,8 @@ def paired_difference(a: list[float], b: list[float]) -> dict[str, float]:
 
 
 def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str] = ("A", "B")) -> dict[str, dict]:
-    """{task: paired_difference} for every task both results scored, from `allocmoe eval` JSON."""
+    """{"tasks": {task: paired_difference}, "pooled": paired_difference over all their items, or None
+    for a single task} for every task both `allocmoe eval` results scored."""
     items = []
     for result, name in zip((a, b), names):
         if not isinstance(result, dict) or not isinstance(result.get("task_items"), dict):
@@ -37,7 +41,7 @@ def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str
     tasks = sorted(set(items[0]) & set(items[1]))
     if not tasks:
         raise AllocMoeError(f"{names[0]} and {names[1]} share no task; evaluate both on the same --tasks")
-    out = {}
+    out, pooled = {}, ([], [])
     for task in tasks:
         x, y = items[0][task], items[1][task]
         if x.get("items_digest") != y.get("items_digest"):
@@ -45,19 +49,24 @@ def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str
                                 "(another --limit, --num-fewshot or task version); evaluate both alike")
         if metric in x and metric in y:                  # e.g. open-vocabulary tasks have no acc_norm
             out[task] = paired_difference(x[metric], y[metric])
+            pooled[0].extend(x[metric])
+            pooled[1].extend(y[metric])
     if not out:
         raise AllocMoeError(f"no shared task has per-item {metric!r} ({', '.join(tasks)}); try --metric acc")
-    return out
+    return {"tasks": out, "pooled": paired_difference(*pooled) if len(out) > 1 else None}
 
 
-def markdown(comparison: dict[str, dict], names: tuple[str, str], metric: str = "acc") -> str:
+def markdown(comparison: dict, names: tuple[str, str], metric: str = "acc") -> str:
     a, b = names
     lines = [f"| task | items | {metric}: {a} | {metric}: {b} | difference | paired std. error | z "
              f"| right only in {a} | right only in {b} |", "|---|---|---|---|---|---|---|---|---|"]
     def fmt(value, spec):
         return "n/a" if value is None else format(value, spec)
 
-    for task, r in comparison.items():
+    rows = list(comparison["tasks"].items())
+    if comparison["pooled"]:
+        rows.append(("all items, pooled", comparison["pooled"]))
+    for task, r in rows:
         lines.append(f"| {task} | {r['items']} | {r['a']:.3f} | {r['b']:.3f} | {r['difference']:+.3f} "
                      f"| {fmt(r['stderr'], '.3f')} | {fmt(r['z'], '+.1f')} | {r['a_only']} | {r['b_only']} |")
     return "\n".join(lines)
