@@ -1,19 +1,27 @@
 #!/usr/bin/env bash
 # Speed of the full DeepSeek-V2-Lite shape (27 layers, random bf16 weights, ~31 GiB) on one GPU at
-# budget 78 of 156, for uniform top-3 and for Alloc-T (whose work equals alloc-moe's at the same
+# budget 78 of 156 (0.5), for uniform top-3 and for Alloc-T (whose work equals alloc-moe's at the same
 # budget: only which layers get it differs), beside the paper's 1.15x prefill / 1.34x decode (H100).
 # Needs torch with CUDA and transformers==5.24.0 importable; allocmoe from this checkout.
 # Takes about 3-4 minutes on an H200.
+#
+# DEVICE=cpu NUM_LAYERS=2 REPEATS=1 bash benchmarks/gpu_deepseek_v2_lite.sh rehearses every step of it
+# on a CPU (fp32, 2 layers) before a GPU is lent; its figures mean nothing for the GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-bench-gpu}"
+DEVICE="${DEVICE:-cuda}" NUM_LAYERS="${NUM_LAYERS:-27}" REPEATS="${REPEATS:-5}"
+DTYPE=$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)
 mkdir -p "$OUT_DIR"
-python3 -c "import torch, transformers; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+if [ "$DEVICE" = cuda ]; then
+  python3 -c "import torch, transformers; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
+fi
 for method in uniform alloc-t; do
   for batch in 1 16; do
-    python3 -m allocmoe bench --model synthetic:deepseek-v2-lite --budget 78 --method "$method" \
-      --batch-size "$batch" --input-len 512 --output-len 32 --repeats 5 --device cuda --dtype bfloat16 \
+    python3 -m allocmoe bench --model synthetic:deepseek-v2-lite --budget 0.5 --method "$method" \
+      --batch-size "$batch" --input-len 512 --output-len 32 --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" \
+      --num-layers "$NUM_LAYERS" \
       --output-json "$OUT_DIR/dsv2lite_${method}_b${batch}.json" > /dev/null
   done
 done
