@@ -5,22 +5,24 @@
 # Needs torch with CUDA and transformers==5.24.0 importable; allocmoe from this checkout.
 # Takes about 3-4 minutes on an H200.
 #
-# DEVICE=cpu NUM_LAYERS=2 REPEATS=1 bash benchmarks/gpu_deepseek_v2_lite.sh rehearses every step of it
-# on a CPU (fp32, 2 layers) before a GPU is lent; its figures mean nothing for the GPU.
+# DEVICE=cpu NUM_LAYERS=2 REPEATS=1 INPUT_LEN=64 BATCHES="1 4" bash benchmarks/gpu_deepseek_v2_lite.sh
+# rehearses every step of it on a CPU (fp32, 2 layers) in about 5 minutes before a GPU is lent; its
+# figures mean nothing for the GPU.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 OUT_DIR="${OUT:-bench-gpu}"
-DEVICE="${DEVICE:-cuda}" NUM_LAYERS="${NUM_LAYERS:-27}" REPEATS="${REPEATS:-5}"
+DEVICE="${DEVICE:-cuda}" NUM_LAYERS="${NUM_LAYERS:-27}" REPEATS="${REPEATS:-5}" INPUT_LEN="${INPUT_LEN:-512}"
+BATCHES="${BATCHES:-1 16}"
 DTYPE=$([ "$DEVICE" = cpu ] && echo float32 || echo bfloat16)
 mkdir -p "$OUT_DIR"
 if [ "$DEVICE" = cuda ]; then
   python3 -c "import torch, transformers; assert torch.cuda.is_available(), 'no CUDA device'; print(torch.__version__, transformers.__version__, torch.cuda.get_device_name())"
 fi
 for method in uniform alloc-t; do
-  for batch in 1 16; do
+  for batch in $BATCHES; do
     python3 -m allocmoe bench --model synthetic:deepseek-v2-lite --budget 0.5 --method "$method" \
-      --batch-size "$batch" --input-len 512 --output-len 32 --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" \
+      --batch-size "$batch" --input-len "$INPUT_LEN" --output-len 32 --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" \
       --num-layers "$NUM_LAYERS" \
       --output-json "$OUT_DIR/dsv2lite_${method}_b${batch}.json" > /dev/null
   done

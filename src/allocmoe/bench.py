@@ -45,8 +45,9 @@ def _sync(device: torch.device) -> None:
 
 
 def _cache_of(out):
-    """The KV cache of a model output (transformers 5 names it `cache`, 4.x `past_key_values`)."""
-    return out.past_key_values if hasattr(out, "past_key_values") else out.cache
+    """The KV cache of a model output (transformers 5 names it `cache`, 4.x `past_key_values`;
+    5.x still answers to the old name, with a deprecation warning)."""
+    return out["cache"] if "cache" in out else out.past_key_values
 
 
 def free_memory_bytes(device: torch.device) -> int:
