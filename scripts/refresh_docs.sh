@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Rerun every measurement the README quotes about the built-in model, from the shipped model, and
-# write it under docs/ and builtin/model/card.json. About 30 minutes on 2 CPU cores; needs the [eval]
+# write it under docs/ and builtin/model/card.json. About 40 minutes on 2 CPU cores; needs the [eval]
 # extra. Run it after retraining the model (scripts/train_builtin.py), then update the README tables.
 #
 #     bash scripts/refresh_docs.sh
@@ -14,17 +14,21 @@ python scripts/model_card.py | tee "$work/card.md"
 time allocmoe sweep --output-dir "$work/sweep"
 cp "$work/sweep"/{results.json,results.md,quality_vs_activations.png,allocations.png} docs/sweep/
 
-allocmoe eval --tasks "$tasks" --max-tokens 2048 --output-json docs/tasks/tasks_none.json
-for method in alloc-moe alloc-l uniform; do
-  allocmoe allocate --profile "$work/sweep/profile.json" --budget 0.5 --method "$method" --output "$work/$method.json"
-  allocmoe eval --tasks "$tasks" --max-tokens 2048 --plan "$work/$method.json" \
-    --output-json "docs/tasks/tasks_${method//-/}.json"
+allocmoe eval --tasks "$tasks" --max-tokens 2048 --output-json docs/tasks/tasks_none.json > /dev/null
+# half budget (B = 18, files tasks_<method>.json) for three methods; a third (B = 12, *_b12.json) for two
+for run in alloc-moe:18: alloc-l:18: uniform:18: alloc-moe:12:_b12 uniform:12:_b12; do
+  IFS=: read -r method budget suffix <<< "$run"
+  allocmoe allocate --profile "$work/sweep/profile.json" --budget "$budget" --method "$method" --output "$work/$method$budget.json"
+  allocmoe eval --tasks "$tasks" --max-tokens 2048 --plan "$work/$method$budget.json" \
+    --output-json "docs/tasks/tasks_${method//-/}$suffix.json" > /dev/null
 done
 
-for method in allocmoe allocl; do      # paired, item by item: is the gap to uniform beyond noise?
-  allocmoe compare "docs/tasks/tasks_${method}.json" docs/tasks/tasks_uniform.json \
-    --output-json "docs/tasks/compare_${method}_uniform.json"
+# paired, item by item: is a gap to uniform beyond noise? (none = the full model: how much there is to keep)
+for run in allocmoe: allocl: none: allocmoe:_b12 none:_b12; do
+  IFS=: read -r method suffix <<< "$run"
+  a="docs/tasks/tasks_$method$suffix.json"; [ "$method" = none ] && a=docs/tasks/tasks_none.json
+  allocmoe compare "$a" "docs/tasks/tasks_uniform$suffix.json" --output-json "docs/tasks/compare_${method}_uniform$suffix.json"
 done
 
-allocmoe analyze --plan "$work/alloc-moe.json" --output-dir docs
+allocmoe analyze --plan "$work/alloc-moe18.json" --output-dir docs
 echo "done; plans and the profile are in $work"
