@@ -17,6 +17,12 @@ Deterministic (fixed seed, sorted inputs, stable JSON): rerunning writes the sam
                      metadata.chance, 6.65%: "the").
 
     python scripts/build_tasks.py [--out DIR]
+
+A development copy (tasks allocmoe_dev_*, same recipes) from the calibration split, for trying
+allocation settings without looking at the test items; its YAML names the folder it was written to:
+
+    python scripts/build_tasks.py --split calibration --out dev_tasks
+    allocmoe eval --include-path dev_tasks --tasks allocmoe_dev_cloze,allocmoe_dev_nextword ...
 """
 
 from __future__ import annotations
@@ -64,11 +70,11 @@ metadata:
 
 # lm-eval joins a loglikelihood task's context and target with no delimiter, so the target carries
 # its space (as in lm-eval's LAMBADA); otherwise "seeds" + "and" would be scored as "seedsand".
-NEXTWORD_YAML = """task: allocmoe_nextword
+NEXTWORD_YAML = """task: {name}
 dataset_path: json
 dataset_kwargs:
   data_files:
-    test: {dir}/allocmoe_nextword.jsonl
+    test: {dir}/{name}.jsonl
 test_split: test
 output_type: loglikelihood
 doc_to_text: context
@@ -86,8 +92,8 @@ metadata:
 """
 
 
-def documents() -> list[str]:
-    text = lzma.open(DATA / "test.txt.xz", "rt", encoding="utf-8").read()
+def documents(split: str = "test") -> list[str]:
+    text = lzma.open(DATA / f"{split}.txt.xz", "rt", encoding="utf-8").read()
     return [d.strip() for d in text.split("\n\n") if d.strip()]
 
 
@@ -179,17 +185,21 @@ def commonest_target_rate(items: list[dict]) -> float:
     return round(Counter(i["target"] for i in items).most_common(1)[0][1] / len(items), 4)
 
 
-def build(out: Path) -> dict[str, int]:
-    docs = documents()
+def build(out: Path, split: str = "test") -> dict[str, int]:
+    """Write the suite from `split`: the shipped tasks from "test", allocmoe_dev_* from "calibration"."""
+    docs = documents(split)
     out.mkdir(parents=True, exist_ok=True)
+    # the shipped YAML's ${TASK_DIR} is filled in by allocmoe's harness; a dev copy names its folder
+    data_dir = "${TASK_DIR}" if split == "test" else str(out.resolve())
     counts = {}
-    for name, maker in (("allocmoe_lastword", lastword), ("allocmoe_cloze", cloze), ("allocmoe_style", style),
-                        ("allocmoe_nextword", nextword)):
-        items = maker(docs, random.Random(f"{SEED}:{name}"))
+    for recipe, maker in (("allocmoe_lastword", lastword), ("allocmoe_cloze", cloze), ("allocmoe_style", style),
+                          ("allocmoe_nextword", nextword)):
+        name = recipe if split == "test" else recipe.replace("allocmoe_", "allocmoe_dev_")
+        items = maker(docs, random.Random(f"{SEED}:{recipe}"))
         lines = "".join(json.dumps(item, ensure_ascii=False, sort_keys=True) + "\n" for item in items)
         (out / f"{name}.jsonl").write_text(lines, encoding="utf-8")
-        yaml = (NEXTWORD_YAML.format(dir="${TASK_DIR}", chance=commonest_target_rate(items))
-                if name == "allocmoe_nextword" else MULTIPLE_CHOICE_YAML.format(name=name).format(dir="${TASK_DIR}"))
+        yaml = (NEXTWORD_YAML.format(name=name, dir=data_dir, chance=commonest_target_rate(items))
+                if maker is nextword else MULTIPLE_CHOICE_YAML.format(name=name).format(dir=data_dir))
         (out / f"{name}.yaml").write_text(yaml, encoding="utf-8")
         counts[name] = len(items)
     return counts
@@ -197,9 +207,13 @@ def build(out: Path) -> dict[str, int]:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", type=Path, default=OUT)
+    parser.add_argument("--split", choices=("test", "calibration"), default="test",
+                        help="test: the shipped suite; calibration: a development copy (needs --out)")
+    parser.add_argument("--out", type=Path, default=None, help=f"default (test split only): {OUT}")
     args = parser.parse_args()
-    for name, n in build(args.out).items():
+    if args.out is None and args.split != "test":
+        parser.error("--split calibration needs --out DIR (the shipped folder holds the test tasks only)")
+    for name, n in build(args.out or OUT, args.split).items():
         print(f"{name}: {n} items")
 
 

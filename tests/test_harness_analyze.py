@@ -29,6 +29,28 @@ def test_offline_task_files_are_reproducible_byte_for_byte(tmp_path):
     assert not mismatch and not errors
 
 
+def test_dev_copy_comes_from_the_calibration_split_and_shares_no_item_with_the_shipped_tasks(tmp_path):
+    import json
+
+    subprocess.run([sys.executable, str(ROOT / "scripts" / "build_tasks.py"), "--split", "calibration",
+                    "--out", str(tmp_path)], check=True, capture_output=True)
+    shipped = ROOT / "src" / "allocmoe" / "builtin" / "tasks"
+    for task in ("lastword", "cloze", "style", "nextword"):
+        yaml = (tmp_path / f"allocmoe_dev_{task}.yaml").read_text()
+        assert f"task: allocmoe_dev_{task}\n" in yaml and f"{tmp_path.resolve()}/allocmoe_dev_{task}.jsonl" in yaml
+        dev = {json.loads(line)["context"] for line in (tmp_path / f"allocmoe_dev_{task}.jsonl").open()}
+        test = {json.loads(line)["context"] for line in (shipped / f"allocmoe_{task}.jsonl").open()}
+        assert len(dev) >= 300 and not dev & test, task
+    if has_lm_eval:      # lm-eval finds the copy by --include-path and reads its data from where it was written
+        from lm_eval.tasks import get_task_dict
+
+        from allocmoe.evaluate.harness import _task_manager
+
+        for name, task in get_task_dict(["allocmoe_dev_cloze"], _task_manager(str(tmp_path))).items():
+            lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
+            assert len(list(task.test_docs())) == len(lines)
+
+
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
 def test_offline_tasks_run_through_lm_eval_and_a_plan_changes_their_metrics(tiny_folder):
     from allocmoe.evaluate.harness import run_tasks
