@@ -5,7 +5,7 @@ Alloc-T against the unmodified model, each as a fraction of the ideal speedup (f
 routed experts off); Alloc-T's prefill cost against static top-3 at the same budget; and, with
 batched decode, distinct experts per step against the budget.
 
-    python benchmarks/cpu_speed.py [--num-layers 3] [--repeats 5]
+    python benchmarks/cpu_speed.py [--num-layers 3] [--repeats 5] [--input-len 256] [--output-json FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ import torch
 
 from allocmoe import apply_plan
 from allocmoe.bench import BenchConfig, benchmark, time_once
+from allocmoe.io_utils import atomic_write_json
 from allocmoe.methods import allocate
 from allocmoe.synthetic import build_synthetic
 
@@ -30,6 +31,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--input-len", type=int, default=256)
     parser.add_argument("--output-len", type=int, default=16)
+    parser.add_argument("--output-json", default=None, help="also write every timing here")
     args = parser.parse_args()
     torch.set_grad_enabled(False)
     model = build_synthetic(args.shape, args.num_layers)
@@ -56,15 +58,22 @@ def main() -> None:
                 samples[m].append(prefill)
     ratio = statistics.median(samples["alloc-t"]) / statistics.median(samples["uniform"])
     print(f"  alloc-t prefill / static top-3 prefill: {ratio:.3f} (target <= 1.05)")
+    distinct = {}
     # distinct experts per decode step vs budget, batch 8
     print("  batch-8 decode, distinct routed experts per layer and step (of 64):")
     for budget in ("1/3", "1/2", "2/3", "1"):
         plan = allocate(budget, "alloc-t", model=model)
         r = benchmark(model, plan, BenchConfig(input_len=32, output_len=4, batch_size=8, repeats=1, warmup=0),
                       synthetic=True, progress=False)
-        d = r["distinct_experts_per_decode_step"]
+        d = distinct[budget] = r["distinct_experts_per_decode_step"]
         print(f"    B={budget:>3s}: {d['plan']:.1f} (full K: {d['full']:.1f})")
     print(json.dumps({"environment": results["uniform"]["environment"]}, indent=None))
+    if args.output_json:
+        atomic_write_json(args.output_json, {"settings": vars(args), "half_budget": results,
+                                             "alloc_t_over_static_prefill": ratio,
+                                             "alloc_t_prefill_seconds": samples["alloc-t"],
+                                             "static_prefill_seconds": samples["uniform"],
+                                             "distinct_experts_batch8": distinct})
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ def paired_difference(a: list[float], b: list[float]) -> dict[str, float]:
             "a_only": sum(d > 0 for d in diffs), "b_only": sum(d < 0 for d in diffs)}
 
 
-def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str] = ("A", "B")) -> dict[str, dict]:
+def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str] = ("A", "B")) -> dict:
     """{"tasks": {task: paired_difference}, "pooled": paired_difference over all their items, or None
     for a single task} for every task both `allocmoe eval` results scored."""
     items = []
