@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -246,6 +247,9 @@ def main(argv: list[str] | None = None) -> None:
     except MemoryError:
         print("allocmoe: error: out of memory; lower --batch-size or --seq-len", file=sys.stderr)
         sys.exit(2)
+    except BrokenPipeError:        # output piped into `head` and the like: stop quietly, as Unix tools do
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        sys.exit(1)
 
 
 if __name__ == "__main__":
