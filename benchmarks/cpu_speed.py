@@ -2,8 +2,10 @@
 
 For the DeepSeek-V2-Lite shape at half budget: prefill and decode speedup of uniform top-3 and of
 Alloc-T against the unmodified model, each as a fraction of the ideal speedup (from the time with
-routed experts off); Alloc-T's prefill cost against static top-3 at the same budget; and, with
-batched decode, distinct experts per step against the budget.
+routed experts off); Alloc-T's prefill cost against static top-3 at the same budget; with
+batched decode, distinct experts per step against the budget; and the full model's prefill with
+allocmoe's experts kernel against transformers' grouped_mm (the budget figures use allocmoe's
+kernel on both sides).
 
     python benchmarks/cpu_speed.py [--num-layers 3] [--repeats 5] [--input-len 256] [--output-json FILE]
 """
@@ -18,6 +20,7 @@ import time
 import torch
 
 from allocmoe import apply_plan
+from allocmoe.apply import allocmoe_experts
 from allocmoe.bench import BenchConfig, benchmark, time_once
 from allocmoe.io_utils import atomic_write_json
 from allocmoe.methods import allocate
@@ -58,6 +61,17 @@ def main() -> None:
                 samples[m].append(prefill)
     ratio = statistics.median(samples["alloc-t"]) / statistics.median(samples["uniform"])
     print(f"  alloc-t prefill / static top-3 prefill: {ratio:.3f} (target <= 1.05)")
+    # the kernel alone: full model, transformers' experts function vs allocmoe's, interleaved
+    kernel = {"transformers": [], "allocmoe": []}
+    for rep in range(args.repeats + 1):
+        transformers_prefill, _ = time_once(model, ids, 1)
+        with allocmoe_experts(model):
+            allocmoe_prefill, _ = time_once(model, ids, 1)
+        if rep:
+            kernel["transformers"].append(transformers_prefill)
+            kernel["allocmoe"].append(allocmoe_prefill)
+    kernel_gain = statistics.median(kernel["transformers"]) / statistics.median(kernel["allocmoe"])
+    print(f"  full-model prefill, allocmoe experts kernel vs transformers grouped_mm: {kernel_gain:.3f}x")
     distinct = {}
     # distinct experts per decode step vs budget, batch 8
     print("  batch-8 decode, distinct routed experts per layer and step (of 64):")
@@ -73,7 +87,9 @@ def main() -> None:
                                              "alloc_t_over_static_prefill": ratio,
                                              "alloc_t_prefill_seconds": samples["alloc-t"],
                                              "static_prefill_seconds": samples["uniform"],
-                                             "distinct_experts_batch8": distinct})
+                                             "distinct_experts_batch8": distinct,
+                                             "full_prefill_seconds_by_experts_kernel": kernel,
+                                             "experts_kernel_prefill_gain": kernel_gain})
 
 
 if __name__ == "__main__":

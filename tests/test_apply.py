@@ -98,21 +98,64 @@ def dense_reference(experts, hidden, index, weights):
     return out
 
 
+@torch.no_grad()
+def test_weights_first_path_inside_a_whole_model_matches_the_grouped_mm_path(family_model, ids, monkeypatch):
+    """Tiny experts normally take grouped_mm; forcing the CPU weights-first path must not change logits."""
+    import allocmoe.experts
+
+    _, model = family_model
+    fp = model_fingerprint(model)
+    plan = plan_of(model, lambda i: AllocT(max(fp["k_orig"] // 2, 1), k_base=1))
+    with apply_plan(model, plan):
+        grouped = model(ids).logits
+        monkeypatch.setattr(allocmoe.experts, "WEIGHTS_FIRST_MIN_ELEMENTS", 0)
+        weights_first = model(ids).logits
+    assert (weights_first - grouped).abs().max() <= 1e-5
+
+
+def random_selection(num_tokens, num_experts, width, generator):
+    """[T, W] distinct experts per token, about 40% of slots set to the sentinel E with weight 0."""
+    index = torch.stack([torch.randperm(num_experts, generator=generator)[:width] for _ in range(num_tokens)])
+    index[torch.rand(num_tokens, width, generator=generator) < 0.4] = num_experts
+    weights = torch.rand(num_tokens, width, generator=generator).masked_fill(index == num_experts, 0.0)
+    return index, weights
+
+
+@pytest.mark.parametrize("path", ["weights_first_experts_forward", "compacted_grouped_mm_forward"])
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_moe", "mixtral"])
 @torch.no_grad()
-def test_compacted_execution_equals_a_dense_masked_reference(model_type):
-    from allocmoe.experts import compact_experts_forward
+def test_compacted_execution_equals_a_dense_masked_reference(model_type, path):
+    import allocmoe.experts
 
     model = build_tiny(model_type)
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")][0]
-    torch.manual_seed(0)
-    hidden = torch.randn(10, 32)
-    num_experts = experts.gate_up_proj.size(0)
-    index = torch.stack([torch.randperm(num_experts)[:3] for _ in range(10)])
-    index[torch.rand(10, 3) < 0.4] = num_experts                           # sentinel: not selected
-    weights = torch.rand(10, 3).masked_fill(index == num_experts, 0.0)
-    out = compact_experts_forward(experts, hidden, index, weights)
+    gen = torch.Generator().manual_seed(0)
+    hidden = torch.randn(10, 32, generator=gen)
+    index, weights = random_selection(10, experts.gate_up_proj.size(0), 3, gen)
+    out = getattr(allocmoe.experts, path)(experts, hidden, index, weights)
     assert torch.allclose(out, dense_reference(experts, hidden, index, weights), atol=1e-5)
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen2_moe", "olmoe", "gpt_oss"])
+@torch.no_grad()
+def test_cpu_weights_first_path_equals_transformers_grouped_mm(model_type):
+    """Every layout (gpt_oss: transposed weights, biases, its own gate) against transformers' own
+    experts function, which sees the sentinel slots as a real expert with routing weight 0."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from allocmoe.experts import weights_first_experts_forward
+
+    model = build_tiny(model_type)
+    experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]                # the experts module
+    gen = torch.Generator().manual_seed(1)
+    for name, param in experts.named_parameters():
+        if name.endswith("bias"):                                         # initialised to 0: make them count
+            param.copy_(torch.randn(param.shape, generator=gen))
+    hidden = torch.randn(12, model.config.hidden_size, generator=gen)
+    num_experts = experts.num_experts
+    index, weights = random_selection(12, num_experts, 3, gen)
+    reference = grouped_mm_experts_forward(experts, hidden, index.clamp(max=num_experts - 1), weights)
+    assert torch.allclose(weights_first_experts_forward(experts, hidden, index, weights), reference, atol=1e-5)
 
 
 def test_a_plan_for_another_model_is_refused():

@@ -194,19 +194,35 @@ def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], metho
     return Plan(model=fingerprint, layers=layers, method=method, budget=float(sum(k_per_layer.values())))
 
 
-class routed_experts_off:
-    """Context manager: every MoE layer's routed experts contribute nothing (routers and shared
-    experts still run). Used to time the part of a forward pass that no budget can remove."""
+class _experts_forward_swapped:
+    """Context manager: every MoE layer's experts module runs `forward` (bound to it) until exit."""
 
-    def __init__(self, model: nn.Module):
+    def __init__(self, model: nn.Module, forward):
         self._experts = [layer.experts for layer in adapter_for_model(model).moe_layers(model)]
+        self._forward = forward
 
     def __enter__(self):
         for experts in self._experts:
-            experts.forward = lambda hidden_states, *args, **kwargs: torch.zeros_like(hidden_states)
+            experts.forward = self._forward.__get__(experts)
         return self
 
     def __exit__(self, *exc):
         for experts in self._experts:
             if "forward" in experts.__dict__:
                 del experts.forward
+
+
+def _no_routed_output(self, hidden_states, *args, **kwargs):
+    return torch.zeros_like(hidden_states)
+
+
+def routed_experts_off(model: nn.Module) -> _experts_forward_swapped:
+    """Every MoE layer's routed experts contribute nothing (routers and shared experts still run).
+    Used to time the part of a forward pass that no budget can remove."""
+    return _experts_forward_swapped(model, _no_routed_output)
+
+
+def allocmoe_experts(model: nn.Module) -> _experts_forward_swapped:
+    """The model's own routing, with its experts run by allocmoe's kernel (as under a plan), so a
+    benchmark compares budgets, not kernels."""
+    return _experts_forward_swapped(model, compact_experts_forward)
