@@ -42,11 +42,9 @@ def test_dev_copy_comes_from_the_calibration_split_and_shares_no_item_with_the_s
         test = {json.loads(line)["context"] for line in (shipped / f"allocmoe_{task}.jsonl").open()}
         assert len(dev) >= 300 and not dev & test, task
     if has_lm_eval:      # lm-eval finds the copy by --include-path and reads its data from where it was written
-        from lm_eval.tasks import get_task_dict
-
         from allocmoe.evaluate.harness import _task_manager
 
-        for name, task in get_task_dict(["allocmoe_dev_cloze"], _task_manager(str(tmp_path))).items():
+        for name, task in _task_manager(str(tmp_path)).load(["allocmoe_dev_cloze"])["tasks"].items():
             lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
             assert len(list(task.test_docs())) == len(lines)
 
@@ -78,14 +76,13 @@ def test_every_offline_request_scores_a_whole_spaced_word_or_sentence(tiny_folde
     # lm-eval joins context and target with nothing between for loglikelihood tasks: a target without
     # its space glues onto the context's last word ("seeds" + "and"), or tokenizes to nothing.
     from lm_eval.models.huggingface import HFLM
-    from lm_eval.tasks import get_task_dict
 
     from allocmoe.evaluate.harness import _task_manager
     from allocmoe.texts import OFFLINE_TASKS
 
     model, tok = load_model(tiny_folder)
     lm = HFLM(pretrained=model, tokenizer=tok, batch_size=1, device="cpu")
-    for name, task in get_task_dict(list(OFFLINE_TASKS), _task_manager(None)).items():
+    for name, task in _task_manager(None).load(list(OFFLINE_TASKS))["tasks"].items():
         task.build_all_requests(limit=None, rank=0, world_size=1)
         for request in task.instances:
             context, target = request.args
