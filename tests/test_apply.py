@@ -193,3 +193,19 @@ def test_alloc_t_on_a_single_token_is_static_top_round_k():
         alloc_t = model(ids).logits
         assert handle.activations_per_token() == 3 * 2                      # round_half_up(2.5) in 2 layers
     assert (static - alloc_t).abs().max() <= 1e-6
+
+
+def test_weights_first_kernel_is_chosen_only_for_large_fp32_experts_on_cpu():
+    from types import SimpleNamespace
+
+    from allocmoe.experts import WEIGHTS_FIRST_MIN_ELEMENTS, _prefers_weights_first
+
+    def experts(rows):
+        return SimpleNamespace(has_gate=True, gate_up_proj=torch.empty(2, rows, 1024), _is_expert_parallel=False)
+
+    large, tiny = experts(WEIGHTS_FIRST_MIN_ELEMENTS // 1024), experts(WEIGHTS_FIRST_MIN_ELEMENTS // 1024 - 1)
+    hidden = torch.empty(3, 1024)
+    assert _prefers_weights_first(large, hidden)
+    assert not _prefers_weights_first(tiny, hidden)
+    assert not _prefers_weights_first(large, hidden.to(torch.bfloat16))
+    assert not _prefers_weights_first(SimpleNamespace(**{**vars(large), "_is_expert_parallel": True}), hidden)

@@ -4,11 +4,12 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
 `compact_experts_forward` runs only the S selected pairs, so work is proportional to S, not T * W:
 - on CUDA it drops the sentinel slots and runs transformers' own grouped_mm experts function on
   the compacted list (so every family's gating, bias and weight layout is respected);
-- on CPU, for experts of real size, it runs `weights_first_experts_forward`: the same steps with
+- on CPU in fp32, for experts of real size, it runs `weights_first_experts_forward`: the same steps with
   each expert's matmul written weights-first (W @ x^T). With the weight as first operand MKL's
   sgemm handles the few-row operand far better: one DeepSeek-V2-Lite expert with 4-64 rows runs
   1.5-2.2x faster, with 256 rows 1.2x (benchmarks/cpu_speed.py measures whole models). Tiny
-  experts keep grouped_mm, whose single call beats a Python loop over experts there.
+  experts keep grouped_mm, whose single call beats a Python loop over experts there, and so do
+  bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
 
 Registered with transformers as the experts implementation "allocmoe", so
 `model.set_experts_implementation("allocmoe")` uses it without a plan.
@@ -28,9 +29,10 @@ WEIGHTS_FIRST_MIN_ELEMENTS = 1 << 20   # per expert projection; below it the per
 
 
 def _prefers_weights_first(self: nn.Module, hidden_states: torch.Tensor) -> bool:
+    """CPU, fp32 (MKL's sgemm; bf16/fp16 ran 10-35% slower weights-first), large experts, no EP."""
     up = self.gate_up_proj if self.has_gate else self.up_proj
-    return (hidden_states.device.type == "cpu" and not self._is_expert_parallel
-            and up[0].numel() >= WEIGHTS_FIRST_MIN_ELEMENTS)
+    return (hidden_states.device.type == "cpu" and hidden_states.dtype == torch.float32
+            and not self._is_expert_parallel and up[0].numel() >= WEIGHTS_FIRST_MIN_ELEMENTS)
 
 
 def compact_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
