@@ -27,6 +27,7 @@ def test_benchmark_json_has_every_field():
             stats = result["timings_seconds"][name][phase]
             assert 0 < stats["min"] <= stats["median"] <= stats["max"]
     assert {"device", "dtype", "threads", "torch", "transformers"} <= set(result["environment"])
+    assert result["experts_kernel"] == "allocmoe grouped_mm, for full and plan alike"   # tiny experts
     assert result["measured_activations_per_token"] == pytest.approx(4.0)   # 2 layers x 4 experts x 0.5
     distinct = result["distinct_experts_per_decode_step"]
     assert 1 <= distinct["plan"] <= distinct["full"] <= 8

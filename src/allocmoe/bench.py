@@ -96,6 +96,15 @@ def _summary(samples: list[float]) -> dict[str, float]:
             "iqr": (ordered[(3 * len(ordered)) // 4] - ordered[len(ordered) // 4]) if len(ordered) > 1 else 0.0}
 
 
+def _kernel_of(model, device: torch.device) -> str:
+    from .adapters import adapter_for_model
+    from .experts import experts_kernel_name
+
+    experts = adapter_for_model(model).moe_layers(model)[0].experts
+    probe = torch.empty(1, model.config.hidden_size, dtype=next(model.parameters()).dtype, device=device)
+    return experts_kernel_name(experts, probe)
+
+
 def check_memory(model, config: BenchConfig) -> None:
     """Refuse, before allocating, a batch whose KV cache and activations will not fit."""
     c = model.config
@@ -182,8 +191,7 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                               "plan": {"method": plan.method, "budget": plan.budget},
                               "measured_activations_per_token": measured[0], "budget_fraction": fraction,
                               "settings": asdict(config),
-                              "experts_kernel": "allocmoe for full and plan (weights-first matmuls on CPU "
-                                                "for large experts, grouped_mm otherwise)"}
+                              "experts_kernel": f"allocmoe {_kernel_of(model, device)}, for full and plan alike"}
     for phase in ("prefill", "decode"):
         t_full = timings["full"][phase]["median"]
         t_plan = timings["plan"][phase]["median"]

@@ -35,6 +35,11 @@ def _prefers_weights_first(self: nn.Module, hidden_states: torch.Tensor) -> bool
             and not self._is_expert_parallel and up[0].numel() >= WEIGHTS_FIRST_MIN_ELEMENTS)
 
 
+def experts_kernel_name(experts: nn.Module, hidden_states: torch.Tensor) -> str:
+    """Which kernel compact_experts_forward runs for these experts and inputs like hidden_states."""
+    return "weights-first" if _prefers_weights_first(experts, hidden_states) else "grouped_mm"
+
+
 def compact_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                             top_k_weights: torch.Tensor) -> torch.Tensor:
     if _prefers_weights_first(self, hidden_states):
