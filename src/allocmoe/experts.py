@@ -4,12 +4,12 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
 `compact_experts_forward` runs only the S selected pairs, so work is proportional to S, not T * W:
 - on CUDA it drops the sentinel slots and runs transformers' own grouped_mm experts function on
   the compacted list (so every family's gating, bias and weight layout is respected);
-- on CPU in fp32, for experts of real size, it runs `weights_first_experts_forward`: the same steps with
-  each expert's matmul written weights-first (W @ x^T). With the weight as first operand MKL's
-  sgemm handles the few-row operand far better: one DeepSeek-V2-Lite expert with 4-64 rows runs
-  1.5-2.2x faster, with 256 rows 1.2x (benchmarks/cpu_speed.py measures whole models). Tiny
-  experts keep grouped_mm, whose single call beats a Python loop over experts there, and so do
-  bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
+- on CPU in fp32, for experts of real size, it runs `weights_first_experts_forward`: the same
+  steps with each expert's matmul written weights-first (W @ x^T). With the weight as first
+  operand MKL's sgemm handles the few-row operand far better: one DeepSeek-V2-Lite expert with
+  4-64 rows runs 1.5-2.2x faster, with 256 rows 1.2x (benchmarks/cpu_speed.py measures whole
+  models). Tiny experts keep grouped_mm, whose single call beats a Python loop over experts
+  there, and so do bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
 
 Registered with transformers as the experts implementation "allocmoe", so
 `model.set_experts_implementation("allocmoe")` uses it without a plan.
