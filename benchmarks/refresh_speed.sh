@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 45
+# minutes on 2 cores, 13 GiB of memory). Then update the README's speed tables from the printout.
+#
+#     bash benchmarks/refresh_speed.sh
+#
+# OUT=DIR NUM_LAYERS=2 OTHER_LAYERS=2 REPEATS=1 LENGTHS="64" bash benchmarks/refresh_speed.sh
+# rehearses it in a few minutes (figures meaningless).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT="${OUT:-docs/speed}" NUM_LAYERS="${NUM_LAYERS:-6}" OTHER_LAYERS="${OTHER_LAYERS:-4}"
+REPEATS="${REPEATS:-5}" LENGTHS="${LENGTHS:-256 1024}"
+mkdir -p "$OUT"
+# DeepSeek-V2-Lite shape: uniform and Alloc-T against the full model, Alloc-T against static top-3,
+# distinct experts in batched decode, and the experts kernel against transformers' grouped_mm
+for len in $LENGTHS; do
+  python benchmarks/cpu_speed.py --num-layers "$NUM_LAYERS" --input-len "$len" --repeats "$REPEATS" \
+    --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_prompt$len.json"
+done
+# two more shapes through the CLI, 3 repeats each (the README's second table)
+for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do
+  IFS=: read -r short name <<< "$shape"
+  for method in uniform alloc-t; do
+    allocmoe bench --model "synthetic:$name" --num-layers "$OTHER_LAYERS" --budget 0.5 --method "$method" \
+      --input-len 256 --output-len 16 --repeats "$(( REPEATS < 3 ? REPEATS : 3 ))" \
+      --output-json "$OUT/cpu_${short}_${OTHER_LAYERS}layers_prompt256_$method.json" > /dev/null
+  done
+done
+echo "wrote $OUT"
