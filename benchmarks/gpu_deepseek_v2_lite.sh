@@ -2,7 +2,9 @@
 # Speed of the full DeepSeek-V2-Lite shape (27 layers, random bf16 weights, ~31 GiB) on one GPU at
 # budget 78 of 156 (0.5), for uniform top-3 and for Alloc-T (whose work equals alloc-moe's at the same
 # budget: only which layers get it differs), beside the paper's 1.15x prefill / 1.34x decode (H100).
-# Needs torch with CUDA and transformers==5.24.0 importable; allocmoe from this checkout.
+# Needs torch with CUDA and transformers==5.24.0 importable; allocmoe from this checkout. A machine
+# whose image has an older transformers (the lent H200's had 5.17) needs transformers 5.24.0 and
+# any newer requirements it lists brought as wheels, installed to a --target put first on PYTHONPATH.
 # Takes about 3-4 minutes on an H200.
 #
 # DEVICE=cpu NUM_LAYERS=2 REPEATS=1 INPUT_LEN=64 BATCHES="1 4" bash benchmarks/gpu_deepseek_v2_lite.sh
