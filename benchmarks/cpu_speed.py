@@ -13,6 +13,7 @@ kernel on both sides).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import time
@@ -25,6 +26,19 @@ from allocmoe.bench import BenchConfig, benchmark, time_once
 from allocmoe.io_utils import atomic_write_json
 from allocmoe.methods import allocate
 from allocmoe.synthetic import build_synthetic
+
+
+def interleaved_prefill(model, ids: torch.Tensor, repeats: int, conditions: dict) -> dict[str, list[float]]:
+    """Prefill seconds per condition (name -> factory of the context to time it in), the conditions
+    taking turns in each round, after one untimed round."""
+    samples = {name: [] for name in conditions}
+    for rep in range(repeats + 1):
+        for name, context in conditions.items():
+            with context():
+                prefill, _ = time_once(model, ids, 1)
+            if rep:
+                samples[name].append(prefill)
+    return samples
 
 
 def main() -> None:
@@ -42,8 +56,8 @@ def main() -> None:
           f"batch 1, prompt {args.input_len}, {args.output_len} decode steps, {args.repeats} repeats")
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=1, repeats=args.repeats)
     results = {}
-    for method in ("uniform", "alloc-t"):
-        plan = allocate("0.5", method, model=model)
+    plans = {m: allocate("0.5", m, model=model) for m in ("uniform", "alloc-t")}
+    for method, plan in plans.items():
         r = benchmark(model, plan, config, synthetic=True, progress=False)
         results[method] = r
         print(f"  {method:8s} prefill {r['prefill_speedup']:.3f}x of ideal {r['prefill_ideal_speedup']:.3f}x "
@@ -51,25 +65,13 @@ def main() -> None:
               f"{r['decode_ideal_speedup']:.3f}x ({r['decode_fraction_of_ideal']:.0%})")
     # Alloc-T vs static top-3, prefill, interleaved
     ids = torch.randint(0, model.config.vocab_size, (1, args.input_len))
-    plans = {m: allocate("0.5", m, model=model) for m in ("uniform", "alloc-t")}
-    samples = {m: [] for m in plans}
-    for rep in range(args.repeats + 1):
-        for m, plan in plans.items():
-            with apply_plan(model, plan):
-                prefill, _ = time_once(model, ids, 1)
-            if rep:
-                samples[m].append(prefill)
+    samples = interleaved_prefill(model, ids, args.repeats,
+                                  {m: (lambda plan=plan: apply_plan(model, plan)) for m, plan in plans.items()})
     ratio = statistics.median(samples["alloc-t"]) / statistics.median(samples["uniform"])
     print(f"  alloc-t prefill / static top-3 prefill: {ratio:.3f} (target <= 1.05)")
     # the kernel alone: full model, transformers' experts function vs allocmoe's, interleaved
-    kernel = {"transformers": [], "allocmoe": []}
-    for rep in range(args.repeats + 1):
-        transformers_prefill, _ = time_once(model, ids, 1)
-        with allocmoe_experts(model):
-            allocmoe_prefill, _ = time_once(model, ids, 1)
-        if rep:
-            kernel["transformers"].append(transformers_prefill)
-            kernel["allocmoe"].append(allocmoe_prefill)
+    kernel = interleaved_prefill(model, ids, args.repeats, {"transformers": contextlib.nullcontext,
+                                                            "allocmoe": lambda: allocmoe_experts(model)})
     kernel_gain = statistics.median(kernel["transformers"]) / statistics.median(kernel["allocmoe"])
     print(f"  full-model prefill, allocmoe experts kernel vs transformers grouped_mm: {kernel_gain:.3f}x")
     distinct = {}
