@@ -136,6 +136,43 @@ def test_compacted_execution_equals_a_dense_masked_reference(model_type, path):
     assert torch.allclose(out, dense_reference(experts, hidden, index, weights), atol=1e-5)
 
 
+def test_row_windows_round_up_to_whole_blocks_inside_the_operand():
+    from allocmoe.experts import _row_window
+
+    assert _row_window(0, 11, 100) == (0, 11)        # below PAD_FROM_ROWS: exactly the expert's rows
+    assert _row_window(5, 13, 100) == (5, 21)        # 13 -> 16 rows, borrowed from the next expert
+    assert _row_window(90, 13, 103) == (87, 103)     # the last expert borrows from the one before
+    assert _row_window(40, 24, 100) == (40, 64)      # already whole blocks
+    assert _row_window(0, 13, 14) == (0, 13)         # 16 rows do not exist: no widening
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "gpt_oss"])
+@torch.no_grad()
+def test_weights_first_path_with_widened_row_windows_equals_the_dense_reference(model_type):
+    """Many rows per expert, so most experts get a widened window (and the last one a shifted one);
+    gpt_oss adds biases, which must be added to the kept rows only."""
+    from allocmoe.experts import PAD_FROM_ROWS, ROW_BLOCK, weights_first_experts_forward
+
+    model = build_tiny(model_type)
+    experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]
+    gen = torch.Generator().manual_seed(2)
+    for name, param in experts.named_parameters():
+        if name.endswith("bias"):
+            param.copy_(torch.randn(param.shape, generator=gen))
+    num_experts = experts.num_experts
+    hidden = torch.randn(97, model.config.hidden_size, generator=gen)
+    index, weights = random_selection(97, num_experts, 3, gen)
+    counts = torch.bincount(index.flatten(), minlength=num_experts + 1)[:num_experts]
+    assert ((counts >= PAD_FROM_ROWS) & (counts % ROW_BLOCK != 0)).sum() >= 2    # the widening is exercised
+    reference = torch.zeros_like(hidden)
+    for t, e in (index < num_experts).nonzero().tolist():       # one (token, slot) pair at a time
+        expert = index[t, e].item()
+        single = torch.tensor([[expert]])
+        reference[t] += weights_first_experts_forward(experts, hidden[t:t + 1], single, weights[t:t + 1, e:e + 1])[0]
+    out = weights_first_experts_forward(experts, hidden, index, weights)
+    assert torch.allclose(out, reference, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen2_moe", "olmoe", "gpt_oss"])
 @torch.no_grad()
 def test_cpu_weights_first_path_equals_transformers_grouped_mm(model_type):

@@ -1,0 +1,65 @@
+"""How one DeepSeek-V2-Lite expert's matmul time moves with its number of token rows, on this CPU.
+
+Prints, for n rows, the weights-first product W @ x^T (the CPU experts kernel's matmul) for the
+up projection [2816, 2048] and the down projection [2048, 1408], and the same with the rows
+widened as the kernel widens them (experts.ROW_BLOCK / PAD_FROM_ROWS). Weights cycle over 8
+experts so they come from memory, as in a real layer. Shows why the kernel widens ragged row
+counts, and why a half budget cannot halve prefill time on CPU: even one row streams the
+expert's 35 MB of weights.
+
+    python benchmarks/sgemm_rows.py [--max-rows 40] [--threads N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+
+from allocmoe.experts import _row_window
+
+EXPERTS = 8       # distinct weight matrices cycled through, so each product reads its weights from memory
+
+
+def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int) -> float:
+    """Median milliseconds of one weights-first product on `rows` rows of x."""
+    samples = []
+    for _ in range(repeats + 1):
+        start = time.perf_counter()
+        for e in range(EXPERTS):
+            torch.mm(weights[e], x[:rows].t())
+        samples.append((time.perf_counter() - start) / EXPERTS)
+    return statistics.median(samples[1:]) * 1000
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--max-rows", type=int, default=40)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--threads", type=int, default=None)
+    args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    projections = {"up [2816, 2048]": torch.randn(EXPERTS, 2816, 2048),
+                   "down [2048, 1408]": torch.randn(EXPERTS, 2048, 1408)}
+    spare = 64   # rows beyond max-rows, so every window can widen
+    inputs = {name: torch.randn(args.max_rows + spare, w.size(2)) for name, w in projections.items()}
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; milliseconds per product, "
+          "as is -> widened (widened rows)")
+    print("rows  " + "  ".join(f"{name:>30}" for name in projections))
+    with torch.no_grad():
+        for rows in range(1, args.max_rows + 1):
+            lo, hi = _row_window(0, rows, args.max_rows + spare)
+            cells = []
+            for name, weights in projections.items():
+                plain = time_rows(weights, inputs[name], rows, args.repeats)
+                widened = time_rows(weights, inputs[name], hi - lo, args.repeats) if hi - lo != rows else plain
+                cells.append(f"{plain:8.2f} -> {widened:6.2f} ({hi - lo:2d})")
+            print(f"{rows:4d}  " + "  ".join(f"{cell:>30}" for cell in cells), flush=True)
+
+
+if __name__ == "__main__":
+    main()
