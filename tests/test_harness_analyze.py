@@ -71,6 +71,45 @@ def test_offline_tasks_run_through_lm_eval_and_a_plan_changes_their_metrics(tiny
     assert word["acc_stderr"] == pytest.approx(statistics.stdev(scores) / 12 ** 0.5 if 0 < hits < 12 else 0.0)
 
 
+def test_right_padding_mask_by_hand():
+    from allocmoe.evaluate.harness import right_padding_mask
+
+    ids = torch.tensor([[5, 0, 7, 0, 0], [0, 0, 0, 0, 0], [3, 4, 5, 6, 7]])
+    assert right_padding_mask(ids).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
+
+
+@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
+@torch.no_grad()
+def test_lm_eval_padding_stays_out_of_the_plan_and_leaves_real_tokens_alone(tiny_folder):
+    """lm-eval right-pads a batch of requests and calls the model without a mask. Under allocmoe's
+    wrapper the pads neither enter Alloc-T's pool nor count as activations, and (static plan)
+    every request scores as it does alone in a batch of one."""
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from allocmoe import AllocT, Plan, model_fingerprint
+    from allocmoe.evaluate.harness import _padding_aware
+
+    model, tok = load_model(tiny_folder)
+    assert 0 in tok.all_special_ids
+    texts = [("The man said", " that"), ("In the beginning God created the heaven", " and"),
+             ("It was", " a"), ("Then the people of the city went out to see what was done", " there")]
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(texts)]
+    real_tokens = sum(len(tok(c + t)["input_ids"]) - 1 for c, t in texts)   # the last target token is not fed
+    fp = model_fingerprint(model)
+    alloc_t = Plan(model=fp, layers={i: AllocT(1.5, k_base=1) for i in fp["moe_layers"]}, method="t", budget=4.5)
+    padded = _padding_aware(HFLM)(pretrained=model, tokenizer=tok, batch_size=4, device="cpu")
+    with apply_plan(model, alloc_t) as handle:
+        padded.loglikelihood(requests, disable_tqdm=True)
+        assert handle.tokens_seen() == real_tokens
+        assert handle.activations_per_token() == pytest.approx(4.5, abs=0.02)    # rounding per layer only
+    alone = _padding_aware(HFLM)(pretrained=model, tokenizer=tok, batch_size=1, device="cpu")
+    with apply_plan(model, static_plan(model, [2, 2, 2])):
+        batched = [ll for ll, _ in padded.loglikelihood(requests, disable_tqdm=True)]
+        single = [ll for ll, _ in alone.loglikelihood(requests, disable_tqdm=True)]
+    assert batched == pytest.approx(single, abs=1e-4)
+
+
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
 def test_every_offline_request_scores_a_whole_spaced_word_or_sentence(tiny_folder):
     # lm-eval joins context and target with nothing between for loglikelihood tasks: a target without

@@ -1,7 +1,8 @@
 """Task accuracy through lm-evaluation-harness (optional extra: pip install "allocmoe[eval]").
 
-`run_tasks` wraps the live model, with whatever plan is applied, in lm-eval's HFLM and runs the
-given tasks; the offline suite shipped in builtin/tasks is always on the include path. Importing
+`run_tasks` wraps the live model, with whatever plan is applied, in lm-eval's HFLM (taught to
+mask its right-padding, so pads never reach a plan's routers) and runs the given tasks; the offline
+suite shipped in builtin/tasks is always on the include path. Importing
 this module also registers the lm-eval model name "allocmoe" (`pretrained=...,plan=...`).
 
 The shipped task YAMLs name their data as ${TASK_DIR}/file.jsonl; `offline_task_dir` writes copies
@@ -16,6 +17,8 @@ import os
 import tempfile
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from ..errors import AllocMoeError
 from ..texts import BUILTIN_TASKS as TASKS_DIR
@@ -80,7 +83,7 @@ def _simple_evaluate(model, tokenizer, tasks, num_fewshot, limit, include_path, 
     check_tasks(tasks, include_path)
     manager = _task_manager(include_path)
     device = str(next(model.parameters()).device)
-    lm = HFLM(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
+    lm = _padding_aware(HFLM)(pretrained=model, tokenizer=tokenizer, batch_size=batch_size, device=device)
     try:
         return lm_eval.simple_evaluate(model=lm, tasks=list(tasks), num_fewshot=num_fewshot, limit=limit,
                                        task_manager=manager, log_samples=log_samples, bootstrap_iters=0)
@@ -90,6 +93,37 @@ def _simple_evaluate(model, tokenizer, tasks, num_fewshot, limit, include_path, 
     except AssertionError as exc:
         raise AllocMoeError(f"lm-eval refused a request of {', '.join(tasks)} ({str(exc) or 'an internal check'}); "
                             "most often a target that tokenizes to nothing: does it start with its space?") from None
+
+
+def right_padding_mask(ids: torch.Tensor) -> torch.Tensor:
+    """[B, L] ids right-padded with 0 -> [B, L] 1 up to each row's last non-zero token (the first
+    token always counts)."""
+    real = (ids != 0).flip(-1).cummax(-1).values.flip(-1)               # [B, L]
+    real[:, 0] = True
+    return real.long()
+
+
+@functools.lru_cache(maxsize=None)
+def _padding_aware(HFLM):
+    """HFLM that tells the model which tokens of a loglikelihood batch are padding.
+
+    lm-eval calls a causal model as model(ids) on batches right-padded with token 0, with no
+    attention mask. Causal attention keeps the real tokens' logits from seeing the pads, but a plan's
+    router would take the pads for tokens: they would enter Alloc-T's pool and the measured
+    activations. When token 0 is a special token of the tokenizer (so never a request's last real
+    token), the trailing 0s are the padding: the model gets that mask, which its causal attention
+    makes a no-op for the real tokens, and the plan leaves the pads out.
+    """
+
+    class PaddingAwareHFLM(HFLM):
+        def _model_call(self, inps, attn_mask=None, labels=None):
+            if attn_mask is not None or labels is not None or 0 not in self.tokenizer.all_special_ids:
+                return super()._model_call(inps, attn_mask, labels)
+            with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
+                                                 enabled=self.mixed_precision_dtype is not None):
+                return self.model(input_ids=inps, attention_mask=right_padding_mask(inps)).logits
+
+    return PaddingAwareHFLM
 
 
 def _task_metrics(out: dict) -> dict[str, dict[str, float]]:
@@ -128,7 +162,7 @@ def _register() -> None:
         return
 
     @register_model("allocmoe")
-    class AllocMoeLM(HFLM):
+    class AllocMoeLM(_padding_aware(HFLM)):
         def __init__(self, pretrained: str = "builtin", plan: str | None = None, **kwargs: Any):
             from ..apply import apply_plan
             from ..models import load_model
