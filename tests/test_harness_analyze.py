@@ -111,6 +111,24 @@ def test_lm_eval_padding_stays_out_of_the_plan_and_leaves_real_tokens_alone(tiny
 
 
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
+@torch.no_grad()
+def test_lm_eval_padding_that_cannot_be_told_from_text_is_warned_about(tiny_folder, monkeypatch):
+    from lm_eval.api.instance import Instance
+    from lm_eval.models.huggingface import HFLM
+
+    from allocmoe.evaluate.harness import _padding_aware
+
+    model, tok = load_model(tiny_folder)
+    monkeypatch.setattr(type(tok), "all_special_ids", property(lambda self: [1]))   # token 0 an ordinary token
+    lm = _padding_aware(HFLM)(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
+    requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate([("It was", " a"), ("And God said", " let")])]
+    with apply_plan(model, static_plan(model, [2, 2, 2])) as handle, pytest.warns(UserWarning, match="--batch-size 1"):
+        lm.loglikelihood(requests, disable_tqdm=True)
+    longest = max(len(tok(c + t)["input_ids"]) - 1 for c, t in [("It was", " a"), ("And God said", " let")])
+    assert handle.tokens_seen() == 2 * longest                                  # the pads were counted
+
+
+@pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
 def test_every_offline_request_scores_a_whole_spaced_word_or_sentence(tiny_folder):
     # lm-eval joins context and target with nothing between for loglikelihood tasks: a target without
     # its space glues onto the context's last word ("seeds" + "and"), or tokenizes to nothing.

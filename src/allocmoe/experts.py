@@ -8,8 +8,10 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
   steps with each expert's matmul written weights-first (W @ x^T). With the weight as first
   operand MKL's sgemm handles the few-row operand far better: one DeepSeek-V2-Lite expert with
   4-64 rows runs 1.5-2.2x faster, with 256 rows 1.2x (benchmarks/cpu_speed.py measures whole
-  models). Tiny experts keep grouped_mm, whose single call beats a Python loop over experts
-  there, and so do bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
+  models). An expert's rows are widened to a whole block of 8 from 12 rows on, because MKL runs a
+  ragged tail of rows at up to 1.8x the cost of a whole block (benchmarks/sgemm_rows.py). Tiny
+  experts keep grouped_mm, whose single call beats a Python loop over experts there, and so do
+  bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
 
 Registered with transformers as the experts implementation "allocmoe", so
 `model.set_experts_implementation("allocmoe")` uses it without a plan.

@@ -15,6 +15,7 @@ import functools
 import hashlib
 import os
 import tempfile
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +118,14 @@ def _padding_aware(HFLM):
 
     class PaddingAwareHFLM(HFLM):
         def _model_call(self, inps, attn_mask=None, labels=None):
-            if attn_mask is not None or labels is not None or 0 not in self.tokenizer.all_special_ids:
+            if attn_mask is not None or labels is not None:
+                return super()._model_call(inps, attn_mask, labels)
+            if 0 not in self.tokenizer.all_special_ids:
+                if not getattr(self, "_warned_padding", False):
+                    self._warned_padding = True
+                    warnings.warn("token 0 is an ordinary token of this tokenizer, so lm-eval's right-padding "
+                                  "cannot be told from text: pads count as tokens for Alloc-T's pool and the "
+                                  "measured activations; --batch-size 1 avoids padding", stacklevel=2)
                 return super()._model_call(inps, attn_mask, labels)
             with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                                  enabled=self.mixed_precision_dtype is not None):
