@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 45
+# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 55
 # minutes on 2 cores, 13 GiB of memory). Then update the README's speed tables from the printout.
 #
 #     bash benchmarks/refresh_speed.sh
@@ -14,7 +14,7 @@ mkdir -p "$OUT"
 # DeepSeek-V2-Lite shape: uniform and Alloc-T against the full model, Alloc-T against static top-3,
 # distinct experts in batched decode, and the experts kernel against transformers' grouped_mm
 for len in $LENGTHS; do
-  python benchmarks/cpu_speed.py --num-layers "$NUM_LAYERS" --input-len "$len" --repeats "$REPEATS" \
+  python benchmarks/cpu_speed.py --num-layers "$NUM_LAYERS" --input-len "$len" --repeats "$REPEATS" --output-len 32 \
     --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_prompt$len.json"
 done
 # two more shapes through the CLI, 3 repeats each (the README's second table)
