@@ -13,6 +13,7 @@ expert's 35 MB of weights.
 from __future__ import annotations
 
 import argparse
+import platform
 import statistics
 import time
 
@@ -21,6 +22,14 @@ import torch
 from allocmoe.experts import _row_window
 
 EXPERTS = 8       # distinct weight matrices cycled through, so each product reads its weights from memory
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as info:
+            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
 
 
 def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int) -> float:
@@ -47,8 +56,8 @@ def main() -> None:
                    "down [2048, 1408]": torch.randn(EXPERTS, 2048, 1408)}
     spare = 64   # rows beyond max-rows, so every window can widen
     inputs = {name: torch.randn(args.max_rows + spare, w.size(2)) for name, w in projections.items()}
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; milliseconds per product, "
-          "as is -> widened (widened rows)")
+    print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; milliseconds per "
+          "product, as is -> widened (widened rows)")
     print("rows  " + "  ".join(f"{name:>30}" for name in projections))
     with torch.no_grad():
         for rows in range(1, args.max_rows + 1):

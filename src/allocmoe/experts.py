@@ -71,7 +71,7 @@ def _row_window(start: int, n: int, total: int) -> tuple[int, int]:
     """Rows [lo, hi) of the expert-sorted operand (total rows) to multiply for the expert whose n
     rows begin at `start`: from PAD_FROM_ROWS rows on, widened to a whole number of ROW_BLOCKs by
     taking neighbouring experts' rows, whose results are dropped. No copy, and on this machine's
-    MKL 15 rows cost 1.8x what 16 do (benchmarks/sgemm_rows.py prints the curve)."""
+    MKL 15 rows cost 1.7-1.8x what 16 do (benchmarks/sgemm_rows.py prints the curve)."""
     width = n if n < PAD_FROM_ROWS else -(-n // ROW_BLOCK) * ROW_BLOCK
     if width > total:
         return start, start + n
