@@ -7,7 +7,7 @@ import torch
 
 from allocmoe import AllocMoeError, static_plan
 from allocmoe.apply import routed_experts_off
-from allocmoe.bench import BenchConfig, benchmark
+from allocmoe.bench import BenchConfig, benchmark, share_of_ideal_gain
 from allocmoe.cli import main
 from allocmoe.methods import allocate
 from allocmoe.synthetic import parameter_bytes, synthetic_config
@@ -26,11 +26,26 @@ def test_benchmark_json_has_every_field():
         for phase in ("prefill", "decode"):
             stats = result["timings_seconds"][name][phase]
             assert 0 < stats["min"] <= stats["median"] <= stats["max"]
+            assert len(stats["samples"]) == 2 and min(stats["samples"]) == stats["min"]   # the raw timings
+    for phase in ("prefill", "decode"):    # per round from the raw timings, by hand
+        t = {n: result["timings_seconds"][n][phase]["samples"] for n in ("full", "plan", "off")}
+        shares = [share_of_ideal_gain(f, p, o, result["budget_fraction"]) for f, p, o in zip(t["full"], t["plan"], t["off"])]
+        shares = [x for x in shares if x is not None]
+        assert result[f"{phase}_fraction_of_ideal_paired"] == (sum(shares) / 2 if len(shares) == 2 else
+                                                                 (shares[0] if shares else None))
     assert {"device", "dtype", "threads", "torch", "transformers"} <= set(result["environment"])
     assert result["experts_kernel"] == "allocmoe grouped_mm, for full and plan alike"   # tiny experts
     assert result["measured_activations_per_token"] == pytest.approx(4.0)   # 2 layers x 4 experts x 0.5
     distinct = result["distinct_experts_per_decode_step"]
     assert 1 <= distinct["plan"] <= distinct["full"] <= 8
+
+
+def test_share_of_the_ideal_gain_by_hand():
+    # full 10 s, experts off 4 s, half budget: ideal 10 / (4 + 3) = 1.4286x
+    assert share_of_ideal_gain(10.0, 7.0, 4.0, 0.5) == pytest.approx(1.0)      # saved all it could
+    assert share_of_ideal_gain(10.0, 10.0, 4.0, 0.5) == pytest.approx(0.0)     # saved nothing
+    assert share_of_ideal_gain(10.0, 8.0, 4.0, 0.5) == pytest.approx((10 / 8 - 1) / (10 / 7 - 1))
+    assert share_of_ideal_gain(10.0, 8.0, 4.0, 1.0) is None                   # full budget: no gain to share
 
 
 @torch.no_grad()

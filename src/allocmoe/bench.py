@@ -96,6 +96,17 @@ def _summary(samples: list[float]) -> dict[str, float]:
             "iqr": (ordered[(3 * len(ordered)) // 4] - ordered[len(ordered) // 4]) if len(ordered) > 1 else 0.0}
 
 
+def ideal_speedup(t_full: float, t_off: float, fraction: float) -> float:
+    """Full time over the time if the budget-dependent part (full minus experts off) scaled with b."""
+    return t_full / (t_off + fraction * (t_full - t_off))
+
+
+def share_of_ideal_gain(t_full: float, t_plan: float, t_off: float, fraction: float) -> float | None:
+    """(speedup - 1) / (ideal - 1): 1.0 when the plan saves all the budget allows; None without a gain to share."""
+    ideal = ideal_speedup(t_full, t_off, fraction)
+    return (t_full / t_plan - 1) / (ideal - 1) if ideal > 1 else None
+
+
 def _kernel_of(model, device: torch.device) -> str:
     from .adapters import adapter_for_model
     from .experts import experts_kernel_name
@@ -193,13 +204,19 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                               "settings": asdict(config),
                               "experts_kernel": f"allocmoe {_kernel_of(model, device)}, for full and plan alike"}
     for phase in ("prefill", "decode"):
-        t_full = timings["full"][phase]["median"]
-        t_plan = timings["plan"][phase]["median"]
-        t_off = timings["off"][phase]["median"]
-        ideal = t_full / (t_off + fraction * (t_full - t_off))
+        t_full, t_plan, t_off = (timings[n][phase]["median"] for n in ("full", "plan", "off"))
+        ideal = ideal_speedup(t_full, t_off, fraction)
         result[f"{phase}_speedup"] = t_full / t_plan
         result[f"{phase}_ideal_speedup"] = ideal
-        result[f"{phase}_fraction_of_ideal"] = (t_full / t_plan - 1) / (ideal - 1) if ideal > 1 else None
+        result[f"{phase}_fraction_of_ideal"] = share_of_ideal_gain(t_full, t_plan, t_off, fraction)
+        # the same, from each round's own three timings (drift between rounds cancels), median over rounds
+        per_round = [share_of_ideal_gain(f, p, o, fraction) for f, p, o in
+                     zip(*(samples[n][phase] for n in ("full", "plan", "off")))]
+        per_round = [x for x in per_round if x is not None]
+        result[f"{phase}_fraction_of_ideal_paired"] = statistics.median(per_round) if per_round else None
+    for name, phases in timings.items():
+        for phase, summary in phases.items():
+            summary["samples"] = samples[name][phase]
     result["timings_seconds"] = timings
     if config.batch_size > 1:
         full_plan = static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])
