@@ -7,7 +7,8 @@ import torch
 
 from allocmoe import AllocMoeError, static_plan
 from allocmoe.apply import routed_experts_off
-from allocmoe.bench import BenchConfig, benchmark, share_of_ideal_gain
+from allocmoe.apply import allocmoe_experts, apply_plan
+from allocmoe.bench import BenchConfig, Generation, benchmark, share_of_ideal_gain
 from allocmoe.cli import main
 from allocmoe.methods import allocate
 from allocmoe.synthetic import parameter_bytes, synthetic_config
@@ -38,6 +39,29 @@ def test_benchmark_json_has_every_field():
     assert result["measured_activations_per_token"] == pytest.approx(4.0)   # 2 layers x 4 experts x 0.5
     distinct = result["distinct_experts_per_decode_step"]
     assert 1 <= distinct["plan"] <= distinct["full"] <= 8
+
+
+@torch.no_grad()
+def test_generations_taking_turns_match_generate_under_each_configuration():
+    # the benchmark switches configuration before every call; each generation must still be the
+    # greedy continuation its own configuration gives alone (its cache and mask its own)
+    model = build_tiny("deepseek_v2")
+    plan = allocate("0.5", "alloc-t", model=model)
+    ids = torch.randint(0, 96, (2, 7), generator=torch.Generator().manual_seed(1))
+    contexts = {"full": lambda: allocmoe_experts(model), "plan": lambda: apply_plan(model, plan),
+                "off": lambda: routed_experts_off(model)}
+    steps = 5
+    gens = {name: Generation(model, ids, steps) for name in contexts}
+    for call in ["prefill"] + ["step"] * steps:
+        for name, context in contexts.items():
+            with context():
+                assert getattr(gens[name], call)() > 0
+    for name, context in contexts.items():
+        with context():
+            expected = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=steps + 1,
+                                      do_sample=False)[:, ids.size(1):]
+        assert torch.equal(torch.cat(gens[name].tokens, dim=1), expected), name
+    assert not torch.equal(torch.cat(gens["off"].tokens, 1), torch.cat(gens["full"].tokens, 1))
 
 
 def test_share_of_the_ideal_gain_by_hand():

@@ -1,5 +1,6 @@
 """Prefill and decode latency of the unmodified model, a plan, and the model with routed experts
-off, measured side by side (interleaved, after warm-up) in one run.
+off, measured side by side in one run: after warm-up, the three take turns call by call (each
+prefill, then each decode step), so a slow spell on a shared host slows all three alike.
 
 The full model keeps its own routing but runs its experts through allocmoe's kernel, as the plan
 does, so the speedup is the budget's alone (cpu_speed.py reports the kernel's gain separately).
@@ -12,6 +13,7 @@ generated token with the KV cache, greedy. CPU timings use perf_counter; CUDA sy
 
 from __future__ import annotations
 
+import contextlib
 import platform
 import resource
 import statistics
@@ -67,27 +69,50 @@ def _prefill(model, ids):
     return out
 
 
-@torch.no_grad()
+class Generation:
+    """One prompt batch generated greedily with the KV cache, a call at a time, each call timed.
+
+    Several configurations of one model can take turns call by call (each its own cache), so a
+    contention spike on a shared host lands on all of them rather than on whichever ran then.
+    """
+
+    def __init__(self, model, ids: torch.Tensor, output_len: int):
+        self.model, self.ids = model, ids
+        batch, prompt = ids.shape
+        self.mask = torch.ones(batch, prompt + output_len, dtype=torch.long, device=ids.device)   # [B, S + N]
+        self.length = prompt                     # tokens in the cache once prefilled
+        self.cache, self.next_ids = None, None
+        self.tokens: list[torch.Tensor] = []     # [B, 1] per call: the greedy choices, for checks
+
+    def _timed(self, **inputs) -> float:
+        device = self.ids.device
+        _sync(device)
+        t0 = time.perf_counter()
+        out = self.model(use_cache=True, logits_to_keep=1, **inputs)
+        self.next_ids = out.logits[:, -1:].argmax(-1)                       # [B, 1]
+        _sync(device)
+        seconds = time.perf_counter() - t0
+        self.cache = _cache_of(out)
+        self.tokens.append(self.next_ids)
+        return seconds
+
+    @torch.no_grad()
+    def prefill(self) -> float:
+        """Seconds for one forward over the whole prompt."""
+        return self._timed(input_ids=self.ids)
+
+    @torch.no_grad()
+    def step(self) -> float:
+        """Seconds for one decode step: the last token in, the next one out."""
+        self.length += 1
+        return self._timed(input_ids=self.next_ids, cache=self.cache, attention_mask=self.mask[:, : self.length])
+
+
 def time_once(model, ids: torch.Tensor, output_len: int) -> tuple[float, float]:
     """(prefill seconds, decode seconds per token) for one prompt batch."""
-    device = ids.device
-    _sync(device)
-    t0 = time.perf_counter()
-    out = _prefill(model, ids)
-    _sync(device)
-    prefill = time.perf_counter() - t0
-    cache = _cache_of(out)
-    next_ids = out.logits[:, -1:].argmax(-1)
-    mask = torch.ones(ids.size(0), ids.size(1) + output_len, dtype=torch.long, device=device)
-    _sync(device)
-    t0 = time.perf_counter()
-    for step in range(output_len):
-        out = model(input_ids=next_ids, cache=cache, use_cache=True,
-                    attention_mask=mask[:, : ids.size(1) + step + 1])
-        cache = _cache_of(out)
-        next_ids = out.logits[:, -1:].argmax(-1)
-    _sync(device)
-    return prefill, (time.perf_counter() - t0) / output_len
+    gen = Generation(model, ids, output_len)
+    prefill = gen.prefill()
+    return prefill, sum(gen.step() for _ in range(output_len)) / output_len
 
 
 def _summary(samples: list[float]) -> dict[str, float]:
@@ -124,7 +149,7 @@ def check_memory(model, config: BenchConfig) -> None:
     tokens = config.batch_size * (config.input_len + config.output_len)
     per_token_kv = 2 * c.num_hidden_layers * c.hidden_size * elem * 2       # generous: K and V, MLA expanded
     peak_acts = config.batch_size * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
-    need = tokens * per_token_kv + peak_acts
+    need = 3 * tokens * per_token_kv + peak_acts                            # full, plan and off: a cache each
     free = free_memory_bytes(param.device)
     if need > free * 0.9:
         raise AllocMoeError(f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens needs about "
@@ -169,38 +194,58 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
 
-    def run(name):
+    spent = {"activations": 0.0, "tokens": 0}     # the plan's, over every call it ran
+
+    @contextlib.contextmanager
+    def configured(name):
         if name == "full":
             with allocmoe_experts(model):
-                return time_once(model, ids, config.output_len)
-        if name == "off":
+                yield
+        elif name == "off":
             with routed_experts_off(model):
-                return time_once(model, ids, config.output_len)
-        with apply_plan(model, plan) as handle:
-            timing = time_once(model, ids, config.output_len)
-            measured[0] = handle.activations_per_token()
-            return timing
+                yield
+        else:
+            with apply_plan(model, plan) as handle:
+                yield
+                tokens = handle.tokens_seen()
+                spent["activations"] += handle.activations_per_token() * tokens
+                spent["tokens"] += tokens
 
-    measured = [0.0]
+    def take_turns(order, call) -> dict[str, float]:
+        seconds = {}
+        for name in order:
+            with configured(name):
+                seconds[name] = call(name)
+        return seconds
+
     samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in ("full", "plan", "off")}
     rounds = config.warmup + config.repeats
     for r in range(rounds):
-        order = ("full", "plan", "off") if r % 2 == 0 else ("off", "plan", "full")   # interleaved, alternating
-        for name in order:
-            prefill, decode = run(name)
-            if r >= config.warmup:
-                samples[name]["prefill"].append(prefill)
-                samples[name]["decode"].append(decode)
+        # The three configurations take turns call by call (prefill, then each decode step), in an
+        # order that alternates between rounds, so drift on a shared host falls on all three alike.
+        order = ("full", "plan", "off") if r % 2 == 0 else ("off", "plan", "full")
+        gens = {name: Generation(model, ids, config.output_len) for name in order}
+        prefill = take_turns(order, lambda name: gens[name].prefill())
+        decode = dict.fromkeys(order, 0.0)
+        for _ in range(config.output_len):
+            for name, seconds in take_turns(order, lambda name: gens[name].step()).items():
+                decode[name] += seconds / config.output_len
+        if r >= config.warmup:
+            for name in order:
+                samples[name]["prefill"].append(prefill[name])
+                samples[name]["decode"].append(decode[name])
+        del gens
         if progress:
             print(f"bench: round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}", file=sys.stderr)
 
     fingerprint = model_fingerprint(model)
     full_budget = fingerprint["num_moe_layers"] * fingerprint["k_orig"]
-    fraction = measured[0] / full_budget
+    measured = spent["activations"] / max(spent["tokens"], 1)
+    fraction = measured / full_budget
     timings = {n: {phase: _summary(v) for phase, v in phases.items()} for n, phases in samples.items()}
     result: dict[str, Any] = {"model": fingerprint, "synthetic": synthetic,
                               "plan": {"method": plan.method, "budget": plan.budget},
-                              "measured_activations_per_token": measured[0], "budget_fraction": fraction,
+                              "measured_activations_per_token": measured, "budget_fraction": fraction,
                               "settings": asdict(config),
                               "experts_kernel": f"allocmoe {_kernel_of(model, device)}, for full and plan alike"}
     for phase in ("prefill", "decode"):
