@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 55
+# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 90
 # minutes on 2 cores, 13 GiB of memory). Then update the README's speed tables from the printout.
 #
 #     bash benchmarks/refresh_speed.sh
@@ -16,6 +16,15 @@ mkdir -p "$OUT"
 for len in $LENGTHS; do
   python benchmarks/cpu_speed.py --num-layers "$NUM_LAYERS" --input-len "$len" --repeats "$REPEATS" --output-len 32 \
     --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_prompt$len.json"
+done
+# prefill alone (one decode step), more rounds: 15 at 256 tokens, 7 at 1,024 (REPEATS=5; about 35 minutes)
+for run in 256:15 1024:7; do
+  IFS=: read -r len rounds <<< "$run"
+  for method in uniform alloc-t; do
+    allocmoe bench --model synthetic:deepseek-v2-lite --num-layers "$NUM_LAYERS" --budget 0.5 --method "$method" \
+      --input-len "$len" --output-len 1 --repeats "$(( REPEATS * rounds / 5 ))" \
+      --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_prefill${len}_$method.json" > /dev/null
+  done
 done
 # two more shapes through the CLI, 3 repeats each (the README's second table)
 for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from allocmoe import AllocMoeError, static_plan
-from allocmoe.apply import routed_experts_off
-from allocmoe.apply import allocmoe_experts, apply_plan
+from allocmoe.apply import allocmoe_experts, apply_plan, routed_experts_off
 from allocmoe.bench import BenchConfig, Generation, benchmark, share_of_ideal_gain
 from allocmoe.cli import main
 from allocmoe.methods import allocate

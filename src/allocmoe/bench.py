@@ -33,7 +33,7 @@ class BenchConfig:
     input_len: int = 256            # prompt tokens per sequence
     output_len: int = 32            # decode steps timed per repeat
     batch_size: int = 1             # sequences per batch
-    repeats: int = 5                # timed rounds (each config once per round, interleaved)
+    repeats: int = 5                # timed rounds (in each, the configs take turns call by call)
     warmup: int = 1                 # untimed rounds first
 
     def __post_init__(self):
