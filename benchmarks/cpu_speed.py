@@ -22,7 +22,7 @@ import torch
 
 from allocmoe import apply_plan
 from allocmoe.apply import allocmoe_experts
-from allocmoe.bench import BenchConfig, benchmark, time_once
+from allocmoe.bench import BenchConfig, Generation, benchmark
 from allocmoe.io_utils import atomic_write_json
 from allocmoe.methods import allocate
 from allocmoe.synthetic import build_synthetic
@@ -35,7 +35,7 @@ def interleaved_prefill(model, ids: torch.Tensor, repeats: int, conditions: dict
     for rep in range(repeats + 1):
         for name, context in conditions.items():
             with context():
-                prefill, _ = time_once(model, ids, 1)
+                prefill = Generation(model, ids, 0).prefill()
             if rep:
                 samples[name].append(prefill)
     return samples

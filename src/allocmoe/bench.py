@@ -63,12 +63,6 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-@torch.no_grad()
-def _prefill(model, ids):
-    out = model(input_ids=ids, use_cache=True, logits_to_keep=1)
-    return out
-
-
 class Generation:
     """One prompt batch generated greedily with the KV cache, a call at a time, each call timed.
 
@@ -106,13 +100,6 @@ class Generation:
         """Seconds for one decode step: the last token in, the next one out."""
         self.length += 1
         return self._timed(input_ids=self.next_ids, cache=self.cache, attention_mask=self.mask[:, : self.length])
-
-
-def time_once(model, ids: torch.Tensor, output_len: int) -> tuple[float, float]:
-    """(prefill seconds, decode seconds per token) for one prompt batch."""
-    gen = Generation(model, ids, output_len)
-    prefill = gen.prefill()
-    return prefill, sum(gen.step() for _ in range(output_len)) / output_len
 
 
 def _summary(samples: list[float]) -> dict[str, float]:
@@ -167,14 +154,11 @@ def _distinct_experts(model, plan, ids, steps: int) -> float:
 
     with apply_plan(model, plan) as handle:
         handle.context.recorders.append(record)
-        out = _prefill(model, ids)
-        seen.clear()
-        cache = _cache_of(out)
-        next_ids = out.logits[:, -1:].argmax(-1)
+        gen = Generation(model, ids, steps)
+        gen.prefill()
+        seen.clear()                                  # decode steps only
         for _ in range(steps):
-            out = model(input_ids=next_ids, cache=cache, use_cache=True)
-            cache = _cache_of(out)
-            next_ids = out.logits[:, -1:].argmax(-1)
+            gen.step()
     return sum(seen) / max(len(seen), 1)
 
 
@@ -234,7 +218,6 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
             for name in order:
                 samples[name]["prefill"].append(prefill[name])
                 samples[name]["decode"].append(decode[name])
-        del gens
         if progress:
             print(f"bench: round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}", file=sys.stderr)
 
