@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 105
+# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 135
 # minutes on 2 cores, 13 GiB of memory). Then update the README's speed tables from the printout.
 #
 #     bash benchmarks/refresh_speed.sh
@@ -26,11 +26,14 @@ for run in 256:15 1024:7; do
       --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_prefill${len}_$method.json" > /dev/null
   done
 done
-# decode after 256 tokens once more, through the CLI (the README's quiet-hour decode rows; about 13 minutes)
-for method in uniform alloc-t; do
-  allocmoe bench --model synthetic:deepseek-v2-lite --num-layers "$NUM_LAYERS" --budget 0.5 --method "$method" \
-    --input-len 256 --output-len 32 --repeats "$REPEATS" \
-    --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_decode256_$method.json" > /dev/null
+# decode after 256 and 1,024 tokens once more, through the CLI (the README's quiet-hour decode rows;
+# about 13 and 30 minutes)
+for len in $LENGTHS; do
+  for method in uniform alloc-t; do
+    allocmoe bench --model synthetic:deepseek-v2-lite --num-layers "$NUM_LAYERS" --budget 0.5 --method "$method" \
+      --input-len "$len" --output-len 32 --repeats "$REPEATS" \
+      --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_decode${len}_$method.json" > /dev/null
+  done
 done
 # two more shapes through the CLI, 3 repeats each (the README's second table)
 for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do
