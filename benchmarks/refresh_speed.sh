@@ -5,7 +5,7 @@
 #     bash benchmarks/refresh_speed.sh
 #
 # OUT=DIR NUM_LAYERS=2 OTHER_LAYERS=2 REPEATS=1 LENGTHS="64" bash benchmarks/refresh_speed.sh
-# rehearses it in a few minutes (figures meaningless).
+# rehearses it in about 10 minutes (figures meaningless).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 OUT="${OUT:-docs/speed}" NUM_LAYERS="${NUM_LAYERS:-6}" OTHER_LAYERS="${OTHER_LAYERS:-4}"
@@ -17,23 +17,23 @@ for len in $LENGTHS; do
   python benchmarks/cpu_speed.py --num-layers "$NUM_LAYERS" --input-len "$len" --repeats "$REPEATS" --output-len 32 \
     --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_prompt$len.json"
 done
+# the DeepSeek-V2-Lite shape through the CLI at half budget, uniform and Alloc-T:
+# dsv2_cli NAME INPUT_LEN OUTPUT_LEN REPEATS writes cpu_dsv2lite_<layers>layers_NAME_<method>.json
+dsv2_cli() {
+  for method in uniform alloc-t; do
+    allocmoe bench --model synthetic:deepseek-v2-lite --num-layers "$NUM_LAYERS" --budget 0.5 --method "$method" \
+      --input-len "$2" --output-len "$3" --repeats "$4" \
+      --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_$1_$method.json" > /dev/null
+  done
+}
 # prefill alone (one decode step), more rounds: 15 at 256 tokens, 7 at 1,024 (REPEATS=5; about 35 minutes)
 for run in 256:15 1024:7; do
   IFS=: read -r len rounds <<< "$run"
-  for method in uniform alloc-t; do
-    allocmoe bench --model synthetic:deepseek-v2-lite --num-layers "$NUM_LAYERS" --budget 0.5 --method "$method" \
-      --input-len "$len" --output-len 1 --repeats "$(( REPEATS * rounds / 5 ))" \
-      --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_prefill${len}_$method.json" > /dev/null
-  done
+  dsv2_cli "prefill$len" "$len" 1 "$(( REPEATS * rounds / 5 ))"
 done
-# decode after 256 and 1,024 tokens once more, through the CLI (the README's quiet-hour decode rows;
-# about 13 and 30 minutes)
+# decode after 256 and 1,024 tokens once more (the README's quiet-hour decode rows; about 13 and 30 minutes)
 for len in $LENGTHS; do
-  for method in uniform alloc-t; do
-    allocmoe bench --model synthetic:deepseek-v2-lite --num-layers "$NUM_LAYERS" --budget 0.5 --method "$method" \
-      --input-len "$len" --output-len 32 --repeats "$REPEATS" \
-      --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_decode${len}_$method.json" > /dev/null
-  done
+  dsv2_cli "decode$len" "$len" 32 "$REPEATS"
 done
 # two more shapes through the CLI, 3 repeats each (the README's second table)
 for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do
