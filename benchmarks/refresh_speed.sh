@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 135
+# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 130
 # minutes on 2 cores, 13 GiB of memory). Then update the README's speed tables from the printout.
 #
 #     bash benchmarks/refresh_speed.sh
@@ -31,7 +31,7 @@ for run in 256:15 1024:7; do
   IFS=: read -r len rounds <<< "$run"
   dsv2_cli "prefill$len" "$len" 1 "$(( REPEATS * rounds / 5 ))"
 done
-# decode after 256 and 1,024 tokens once more (the README's quiet-hour decode rows; about 13 and 30 minutes)
+# decode after 256 and 1,024 tokens once more (the README's quiet-hour decode rows; about 13 and 25 minutes)
 for len in $LENGTHS; do
   dsv2_cli "decode$len" "$len" 32 "$REPEATS"
 done
