@@ -8,7 +8,13 @@ A forward pre-hook on the model reads the attention mask so padding never enters
 or the counts. `PlanHandle.remove()` (or leaving the `with` block) deletes exactly these, restoring
 the model bit for bit.
 
-Shape legend: T = tokens in the pass, E = routed experts, K = K_orig, W = widest selection.
+Several plans can be installed at once (`apply_plans`): each row of a batch is then routed by its
+own plan, chosen through `handle.context.row_plans`, which is how the server batches requests with
+different budgets into one forward pass. With `context.track_rows` set, each pass leaves the
+activations each row spent, summed over MoE layers, in `context.row_activations`.
+
+Shape legend: T = tokens in the pass, E = routed experts, K = K_orig, W = widest selection,
+B = rows (sequences) in the batch, S = tokens per row in the pass (T = B * S).
 """
 
 from __future__ import annotations
@@ -37,6 +43,24 @@ class RoutingContext:
     attention_mask: torch.Tensor | None = None    # [B, S_total] 1 = real token, from the model call
     batch_size: int = 1
     recorders: list[Recorder] = field(default_factory=list)
+    row_plans: list[int] | None = None            # per batch row, which installed plan routes it; None = plan 0
+    track_rows: bool = False                      # fill row_activations on every pass (the server's usage)
+    row_activations: torch.Tensor | None = None   # [B] activations per row, summed over the MoE layers of a pass
+
+    def plan_rows(self) -> dict[int, list[int]]:
+        """Installed plan -> the batch rows it routes in this pass."""
+        if self.row_plans is None:
+            return {0: list(range(self.batch_size))}
+        if len(self.row_plans) != self.batch_size:
+            raise AllocMoeError(f"row_plans names {len(self.row_plans)} rows for a batch of {self.batch_size}")
+        groups: dict[int, list[int]] = {}
+        for row, plan_index in enumerate(self.row_plans):
+            groups.setdefault(plan_index, []).append(row)
+        return groups
+
+    def add_row_activations(self, counts: torch.Tensor, valid: torch.Tensor) -> None:
+        per_row = (counts * valid).reshape(self.batch_size, -1).sum(-1)      # [B]
+        self.row_activations = per_row if self.row_activations is None else self.row_activations + per_row
 
     def valid_mask(self, num_tokens: int, device) -> torch.Tensor:
         mask = self.attention_mask
@@ -74,30 +98,54 @@ def _static_k(policy: Policy, valid: torch.Tensor) -> int | None:
     return None
 
 
-def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig: int,
+def _mixed_counts(policies: list[Policy], groups: dict[int, list[int]], cand_probs: torch.Tensor,
+                  valid: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Counts [T] when rows follow different plans: each plan's policy decides for its own rows
+    alone (its rows' tokens are its whole pool), as if those rows had been the batch."""
+    counts = torch.empty(valid.shape, dtype=torch.long, device=valid.device)        # [T]
+    per_row = cand_probs.size(0) // batch_size                                      # S
+    for plan_index, rows in groups.items():
+        row_idx = torch.tensor(rows, device=valid.device)
+        tokens = (row_idx[:, None] * per_row + torch.arange(per_row, device=valid.device)).reshape(-1)  # [b*S]
+        counts[tokens] = policies[plan_index].counts(cand_probs[tokens], valid[tokens], len(rows))
+    return counts
+
+
+def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy], k_orig: int,
                     ctx: RoutingContext, stats: LayerStats, renormalize: bool | None):
+    """`policies[i]` is this layer's policy under installed plan i (the list grows as plans are added)."""
     router, num_experts = layer.router, adapter.num_experts()
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
         hidden = hidden_states.reshape(-1, hidden_states.shape[-1])           # [T, H]
         scores = adapter.score(router, hidden)
         valid = ctx.valid_mask(hidden.size(0), hidden.device)                 # [T]
-        static_k = _static_k(policy, valid) if not ctx.recorders else None
+        groups = ctx.plan_rows()
+        policy = policies[next(iter(groups))] if len(groups) == 1 else None
+        static_k = _static_k(policy, valid) if policy is not None and not ctx.recorders else None
         if static_k is not None:                                              # fast path: no per-token counts
             index = scores.ranking.topk(static_k, dim=-1).indices             # [T, k]
             weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
             stats.add_uniform(static_k, valid)
+            if ctx.track_rows:
+                ctx.add_row_activations(torch.full_like(valid, static_k, dtype=torch.long), valid)
             return scores.logits, weights, index
         cand_idx = scores.ranking.topk(k_orig, dim=-1).indices                # [T, K] best first
         # [T, K]; made non-increasing along the ranking (a no-op unless the family ranks by another
         # key, as DeepSeek-V3's bias does), so every policy's choice is a prefix of the ranking
         cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
-        counts = policy.counts(cand_probs, valid, ctx.batch_size)             # [T]
-        width = policy.k if isinstance(policy, StaticTopK) else k_orig         # no host sync on counts
+        if policy is not None:
+            counts = policy.counts(cand_probs, valid, ctx.batch_size)         # [T]
+        else:
+            counts = _mixed_counts(policies, groups, cand_probs, valid, ctx.batch_size)
+        # no host sync on counts: the width comes from the policy, not from the counts
+        width = policy.k if isinstance(policy, StaticTopK) else k_orig
         keep = prefix_mask(counts, width)                                     # [T, W]
         index = cand_idx[:, :width]                                           # [T, W]
         weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
         stats.add(counts, valid)
+        if ctx.track_rows:
+            ctx.add_row_activations(counts, valid)
         for record in ctx.recorders:
             record(layer.index, cand_idx, cand_probs, counts, valid)
         return scores.logits, weights, index.masked_fill(~keep, num_experts)
@@ -108,11 +156,29 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policy: Policy, k_orig
 class PlanHandle:
     """A plan installed on a model. Use as a context manager, or call `remove()`."""
 
-    def __init__(self, model: nn.Module, plan: Plan, layers: list[MoELayer], ctx: RoutingContext,
-                 stats: dict[int, LayerStats], hook):
-        self.model, self.plan, self.context = model, plan, ctx
+    def __init__(self, model: nn.Module, plans: list[Plan], layers: list[MoELayer], ctx: RoutingContext,
+                 stats: dict[int, LayerStats], hook, policies: dict[int, list[Policy]], k_orig: int):
+        self.model, self.plans, self.context = model, plans, ctx
         self._layers, self._stats, self._hook = layers, stats, hook
+        self._policies, self._k_orig = policies, k_orig
         self.active = True
+
+    @property
+    def plan(self) -> Plan:
+        """The first installed plan (the only one, for `apply_plan`)."""
+        return self.plans[0]
+
+    def add_plan(self, plan: Plan) -> int:
+        """Install one more plan beside the others; returns its index for `context.row_plans`."""
+        if not self.active:
+            raise AllocMoeError("this plan handle was removed; apply the plans again")
+        plan.check_model(self.model)
+        for layer in self._layers:
+            plan.layers[layer.index].check(self._k_orig)
+        for layer in self._layers:
+            self._policies[layer.index].append(plan.layers[layer.index])
+        self.plans.append(plan)
+        return len(self.plans) - 1
 
     def __enter__(self) -> "PlanHandle":
         return self
@@ -155,18 +221,30 @@ def apply_plan(model: nn.Module, plan: Plan, renormalize: bool | None = None) ->
     renormalize: None keeps each family's native combine; True/False forces renormalising the kept
     weights (or not) for every layer.
     """
+    return apply_plans(model, [plan], renormalize)
+
+
+def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = None) -> PlanHandle:
+    """Install several plans at once: row r of a batch follows plan `handle.context.row_plans[r]`
+    (all rows follow plan 0 while `row_plans` is None). `handle.add_plan` installs more later."""
+    if not plans:
+        raise AllocMoeError("apply_plans needs at least one plan")
     adapter = adapter_for_model(model)
-    plan.check_model(model)
+    for plan in plans:
+        plan.check_model(model)
     layers = adapter.moe_layers(model)
     if any(_MARK in layer.router.__dict__ for layer in layers):
         raise AllocMoeError("a plan is already applied to this model; remove its handle first")
     ctx = RoutingContext()
     stats = {layer.index: LayerStats() for layer in layers}
     k_orig = adapter.k_orig()
+    policies = {layer.index: [plan.layers[layer.index] for plan in plans] for layer in layers}
     for layer in layers:
-        policy = plan.layers[layer.index]
-        policy.check(k_orig)
-        layer.router.forward = _router_forward(adapter, layer, policy, k_orig, ctx, stats[layer.index], renormalize)
+        for policy in policies[layer.index]:
+            policy.check(k_orig)
+    for layer in layers:
+        layer.router.forward = _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
+                                               stats[layer.index], renormalize)
         layer.experts.forward = compact_experts_forward.__get__(layer.experts)
         setattr(layer.router, _MARK, True)
         setattr(layer.experts, _MARK, True)
@@ -177,9 +255,10 @@ def apply_plan(model: nn.Module, plan: Plan, renormalize: bool | None = None) ->
         if ids is None:
             ids = kwargs.get("inputs_embeds")
         ctx.batch_size = int(ids.shape[0]) if ids is not None and ids.dim() >= 2 else 1
+        ctx.row_activations = None
 
     hook = model.register_forward_pre_hook(read_batch, with_kwargs=True)
-    return PlanHandle(model, plan, layers, ctx, stats, hook)
+    return PlanHandle(model, list(plans), layers, ctx, stats, hook, policies, k_orig)
 
 
 def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], method: str = "manual") -> Plan:
