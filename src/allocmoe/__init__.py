@@ -12,12 +12,13 @@ from .models import load_model
 from .plan import Plan, model_fingerprint
 from .policies import AllocT, NaeeSkip, StaticTopK, TopP, select_experts
 from .profile import ProfileConfig, load_profile, profile_sensitivity
+from .serve.generate import generate
 from .sweep import SweepConfig, sweep
 from .texts import read_text
 
 __all__ = [
     "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "NaeeSkip", "PerplexityConfig", "Plan",
     "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "apply_plan",
-    "evaluate_perplexity", "load_model", "load_profile", "model_fingerprint", "profile_sensitivity", "read_text",
+    "evaluate_perplexity", "generate", "load_model", "load_profile", "model_fingerprint", "profile_sensitivity", "read_text",
     "select_experts", "static_plan", "supported_model_types", "sweep",
 ]

@@ -5,6 +5,8 @@
     allocmoe eval     [--model M] [--plan P] [--text F] [--output-json FILE]
     allocmoe sweep    [--model M] [--calib-text F] [--text F] [--budgets ...] [--methods ...] [--output-dir DIR]
     allocmoe bench    [--model M|synthetic:NAME] [--plan P | --budget B --method NAME] ...
+    allocmoe generate [--model M] [--plan P] (--prompt TEXT | --prompt-file F) [--max-new-tokens N] [--chat]
+    allocmoe serve    [--model M] [--plan NAME=P ...] [--profile P] [--host 127.0.0.1] [--port 8000] ...
 
 Bad input prints one line, `allocmoe: error: ...`, and exits 2.
 """
@@ -230,6 +232,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .bench import add_bench_parser
 
     add_bench_parser(sub, _add_model)
+    from .serve.commands import add_generate_parser, add_serve_parser
+
+    add_generate_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 

@@ -86,12 +86,17 @@ class Engine:
     `serve_forever` / `stop`, which the server calls from other threads."""
 
     def __init__(self, model, tokenizer, handle: PlanHandle | None = None, max_batch_size: int = 8,
-                 max_queue: int = 64, on_pass: Callable[[StepStats], None] | None = None):
+                 max_queue: int = 64, on_pass: Callable[[StepStats], None] | None = None,
+                 max_model_len: int | None = None):
         if max_batch_size < 1 or max_queue < 0:
             raise AllocMoeError("max batch size must be >= 1 and max queue >= 0")
         self.model, self.tokenizer, self.handle = model, tokenizer, handle
         self.max_batch_size, self.max_queue, self.on_pass = max_batch_size, max_queue, on_pass
-        self.context_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        model_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
+        if max_model_len is not None and not 2 <= max_model_len <= model_len:
+            raise AllocMoeError(f"max model len {max_model_len} must lie between 2 and the model's context "
+                                f"of {model_len} tokens")
+        self.context_len = max_model_len or model_len     # prompt + new tokens, at most
         self.eos_ids = _eos_ids(model, tokenizer)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
         self.full_activations = None

@@ -1,0 +1,171 @@
+"""`allocmoe generate` and `allocmoe serve`: flags in, one call out (the CLI registers these).
+
+Every flag is checked before the model loads: numbers, files, plan names, a free port.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from pathlib import Path
+
+from ..errors import AllocMoeError
+
+BUILTIN_NAME = "allocmoe-builtin"
+
+
+def _add_model_flags(p) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in model)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own Python code")
+    p.add_argument("--chat-template", default=None, help="Jinja chat template file (default: the tokenizer's)")
+
+
+def add_generate_parser(sub) -> None:
+    p = sub.add_parser("generate", help="stream text from the model under a plan; a summary line on stderr")
+    _add_model_flags(p)
+    p.add_argument("--plan", default=None, help="plan JSON to generate with (default: the unmodified model)")
+    source = p.add_mutually_exclusive_group(required=True)
+    source.add_argument("--prompt", default=None, help="the prompt text")
+    source.add_argument("--prompt-file", default=None, help="read the prompt from this UTF-8 file")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens at most (default 64)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass (default 1)")
+    p.add_argument("--seed", type=int, default=None, help="seed for sampling (reproducible output)")
+    p.add_argument("--stop", action="append", default=[], help="stop before this string (repeatable)")
+    p.add_argument("--chat", action="store_true", help="put the prompt through the chat template as a user turn")
+    p.set_defaults(func=cmd_generate)
+
+
+def cmd_generate(args) -> None:
+    from ..models import load_model
+    from ..plan import Plan
+    from .generate import generate
+    from .prompts import read_chat_template
+    from .sampling import SamplingParams
+
+    SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
+                   seed=args.seed, stop=tuple(args.stop))          # refuse bad numbers before loading
+    prompt = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
+    if not prompt:
+        raise AllocMoeError("the prompt is empty; give some text with --prompt or --prompt-file")
+    template = read_chat_template(args.chat_template) if args.chat_template else None
+    if template and not args.chat:
+        raise AllocMoeError("--chat-template applies only with --chat; add --chat or drop the template")
+    model, tok = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    plan = Plan.load(args.plan, model) if args.plan else None
+    stream = generate(model, tok, prompt, plan, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
+                      top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, chat_template=template)
+    for piece in stream:
+        sys.stdout.write(piece)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    sys.stdout.flush()
+    print(stream.summary.line(), file=sys.stderr)
+
+
+def _read_prompt(path: str) -> str:
+    file = Path(path)
+    if not file.is_file():
+        raise AllocMoeError(f"prompt file not found: {file}")
+    try:
+        return file.read_text(encoding="utf-8")
+    except UnicodeDecodeError:
+        raise AllocMoeError(f"prompt file {file} is not UTF-8 text") from None
+
+
+def add_serve_parser(sub) -> None:
+    p = sub.add_parser("serve", help="OpenAI-compatible HTTP server; each request may pick its own plan")
+    _add_model_flags(p)
+    p.add_argument("--plan", action="append", default=[], metavar="NAME=PLAN.json",
+                   help="serve this plan as MODEL@NAME (repeatable; a bare PLAN.json is named by its file stem)")
+    p.add_argument("--profile", default=None, help="profile JSON: lets requests ask for a budget, "
+                   "allocated on the fly by the exact solver")
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8000, help="port (default 8000)")
+    p.add_argument("--max-batch-size", type=int, default=8, help="requests per forward pass (default 8)")
+    p.add_argument("--max-queue", type=int, default=64, help="requests waiting beyond the batch (default 64); "
+                   "more get 503 with Retry-After")
+    p.add_argument("--max-model-len", type=int, default=None, help="prompt + new tokens at most "
+                   "(default: the model's context)")
+    p.add_argument("--api-key", default=os.environ.get("ALLOCMOE_API_KEY"),
+                   help="require 'Authorization: Bearer KEY' on /v1 routes (default: $ALLOCMOE_API_KEY)")
+    p.add_argument("--served-model-name", default=None, help="model id clients send (default: the folder's "
+                   f"name; {BUILTIN_NAME} for the built-in model)")
+    p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
+    p.set_defaults(func=cmd_serve)
+
+
+def cmd_serve(args) -> None:
+    try:
+        import uvicorn
+
+        from .app import ServerConfig, create_app
+    except ImportError as exc:
+        raise AllocMoeError(f"allocmoe serve needs the serve extra ({exc.name} is missing): "
+                            "pip install 'allocmoe[serve]'") from None
+    from ..models import load_model
+    from ..plan import Plan
+    from ..profile import load_profile
+    from .plans import PLAN_NAME
+    from .prompts import read_chat_template
+
+    for name, value in (("--max-batch-size", args.max_batch_size), ("--port", args.port)):
+        if value < 1:
+            raise AllocMoeError(f"{name} must be >= 1, got {value}")
+    if args.max_queue < 0:
+        raise AllocMoeError(f"--max-queue must be >= 0, got {args.max_queue}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise AllocMoeError("--api-key is empty; give a key or leave the flag out")
+    plan_files = _plan_files(args.plan, PLAN_NAME)
+    template = read_chat_template(args.chat_template) if args.chat_template else None
+    _check_port_free(args.host, args.port)
+    model, tok = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    plans = {name: Plan.load(path, model) for name, path in plan_files.items()}
+    profile = load_profile(args.profile, model) if args.profile else None
+    name = args.served_model_name or (BUILTIN_NAME if args.model in (None, "builtin") else Path(args.model).resolve().name)
+    config = ServerConfig(model_name=name, plans=plans, profile=profile, max_batch_size=args.max_batch_size,
+                          max_queue=args.max_queue, api_key=args.api_key, chat_template=template,
+                          max_model_len=args.max_model_len)
+    app = create_app(model, tok, config)
+    ids = ", ".join([name] + [f"{name}@{n}" for n in plans])
+    print(f"allocmoe: serving {ids} on http://{args.host}:{args.port}/v1"
+          f"{' (budgets on request: --profile given)' if profile else ''}", file=sys.stderr)
+    if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
+        print(f"allocmoe: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
+              file=sys.stderr)
+    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+
+
+def _plan_files(values: list[str], pattern) -> dict[str, Path]:
+    files: dict[str, Path] = {}
+    for value in values:
+        name, sep, path = value.partition("=")
+        if not sep:
+            name, path = Path(value).stem, value
+        if not pattern.match(name):
+            raise AllocMoeError(f"--plan {value!r}: the name {name!r} must be letters, digits, '.', '_' or '-' "
+                                "(give NAME=PLAN.json)")
+        if name in files:
+            raise AllocMoeError(f"two plans are named {name!r}; give each --plan NAME=FILE its own name")
+        if not Path(path).is_file():
+            raise AllocMoeError(f"--plan {value!r}: plan file not found: {path}")
+        files[name] = Path(path)
+    return files
+
+
+def _check_port_free(host: str, port: int) -> None:
+    if port > 65535:
+        raise AllocMoeError(f"--port must be at most 65535, got {port}")
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror:
+        raise AllocMoeError(f"--host {host!r} is not an address of this machine") from None
+    family, _, _, _, address = infos[0]
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise AllocMoeError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port "
+                                "or stop what holds it") from None

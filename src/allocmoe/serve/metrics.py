@@ -1,0 +1,69 @@
+"""Prometheus metrics of one server (its own registry, so several apps in a process do not mix).
+
+Names follow vLLM's where one exists (`num_requests_running`, time to first token, end-to-end
+latency); plan-specific ones are allocmoe's own. The plan label is the plan's name, `full` for the
+unmodified model, and `none` for requests refused before a plan was chosen.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+from .engine import StepStats
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        self.requests = Counter("allocmoe_requests", "Requests answered, by plan and HTTP status",
+                                ["plan", "status"], registry=r)
+        self.prompt_tokens = Counter("allocmoe_prompt_tokens", "Prompt tokens prefilled", ["plan"], registry=r)
+        self.generation_tokens = Counter("allocmoe_generation_tokens", "Tokens generated", ["plan"], registry=r)
+        self.activations = Counter("allocmoe_activations", "Routed (token, expert) pairs over all MoE layers",
+                                   ["plan"], registry=r)
+        self.routed_tokens = Counter("allocmoe_routed_tokens", "Tokens that went through the MoE layers",
+                                     ["plan"], registry=r)
+        self.activations_per_token = Gauge("allocmoe_activations_per_token",
+                                           "Measured activations per token over all finished requests of the plan",
+                                           ["plan"], registry=r)
+        self.full_activations = Gauge("allocmoe_full_activations_per_token",
+                                      "The unmodified model's activations per token (L x K)", registry=r)
+        self.batch_size = Histogram("allocmoe_batch_size", "Rows per forward pass", ["kind"],
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r)
+        self.mixed_batches = Counter("allocmoe_mixed_plan_batches",
+                                     "Forward passes whose batch held more than one plan", registry=r)
+        self.running = Gauge("allocmoe_num_requests_running", "Requests in the running batch", registry=r)
+        self.waiting = Gauge("allocmoe_num_requests_waiting", "Requests waiting for a slot", registry=r)
+        self.ttft = Histogram("allocmoe_time_to_first_token_seconds", "Submit to first token", ["plan"],
+                              registry=r)
+        self.latency = Histogram("allocmoe_e2e_request_latency_seconds", "Submit to last token", ["plan"],
+                                 registry=r)
+        self._totals: dict[str, list[float]] = {}
+
+    def on_pass(self, step: StepStats) -> None:
+        self.batch_size.labels(step.kind).observe(step.rows)
+        if step.plans > 1:
+            self.mixed_batches.inc()
+
+    def finished(self, plan: str, prompt_tokens: int, new_tokens: int, activations: float, routed: int,
+                 ttft: float | None, latency: float | None) -> None:
+        self.prompt_tokens.labels(plan).inc(prompt_tokens)
+        self.generation_tokens.labels(plan).inc(new_tokens)
+        self.activations.labels(plan).inc(activations)
+        self.routed_tokens.labels(plan).inc(routed)
+        total = self._totals.setdefault(plan, [0.0, 0.0])
+        total[0] += activations
+        total[1] += routed
+        if total[1]:
+            self.activations_per_token.labels(plan).set(total[0] / total[1])
+        if ttft is not None:
+            self.ttft.labels(plan).observe(ttft)
+        if latency is not None:
+            self.latency.labels(plan).observe(latency)
+
+    def render(self, running: int, waiting: int) -> bytes:
+        self.running.set(running)
+        self.waiting.set(waiting)
+        return generate_latest(self.registry)

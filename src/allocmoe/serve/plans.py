@@ -1,0 +1,112 @@
+"""The plans a server routes by: the full model, the plans it was started with, and plans
+allocated on the fly for a requested budget (from a profile, by the exact solver, then cached).
+
+Model ids follow `MODEL@NAME`. Alloc-T layers pool per sequence here: a batch-wide pool would let
+one request's tokens take another request's activations.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+from dataclasses import replace
+from typing import Any
+
+from ..apply import PlanHandle, apply_plans, static_plan
+from ..budget import Budget
+from ..errors import AllocMoeError
+from ..plan import Plan, model_fingerprint
+from ..policies import AllocT
+
+PLAN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class UnknownPlan(AllocMoeError):
+    """A request named a model or plan this server does not serve (HTTP 404)."""
+
+
+def per_sequence(plan: Plan) -> Plan:
+    layers = {i: replace(p, pool="sequence") if isinstance(p, AllocT) else p for i, p in plan.layers.items()}
+    return replace(plan, layers=layers)
+
+
+class PlanRegistry:
+    def __init__(self, model, model_name: str, plans: dict[str, Plan] | None = None,
+                 profile: dict[str, Any] | None = None, max_budget_plans: int = 32):
+        self.model, self.model_name, self.profile = model, model_name, profile
+        self.max_budget_plans, self._budget_plans = max_budget_plans, 0
+        fingerprint = model_fingerprint(model)
+        self.num_layers, self.k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+        self.full_budget = float(self.num_layers * self.k_orig)
+        full = static_plan(model, [self.k_orig] * self.num_layers, method="full")
+        self.names: list[str | None] = [None]        # index in the handle -> plan name (None: full model)
+        self.plans: list[Plan] = [full]
+        self._by_name: dict[str, int] = {}
+        self._lock = threading.Lock()
+        for name, plan in (plans or {}).items():
+            if not PLAN_NAME.match(name):
+                raise AllocMoeError(f"plan name {name!r} must be letters, digits, '.', '_' or '-' (at most 64)")
+            if name in self._by_name:
+                raise AllocMoeError(f"two plans are named {name!r}; give each --plan NAME=FILE its own name")
+            plan.check_model(model)
+            self._by_name[name] = len(self.plans)
+            self.names.append(name)
+            self.plans.append(per_sequence(plan))
+        self.handle: PlanHandle = apply_plans(model, self.plans)
+
+    def model_ids(self) -> list[tuple[str, str | None, Plan]]:
+        with self._lock:
+            return [(self.model_name if n is None else f"{self.model_name}@{n}", n, p)
+                    for n, p in zip(self.names, self.plans)]
+
+    def resolve(self, model_field: str | None, plan: str | None, budget: float | str | None,
+                method: str = "alloc-moe") -> tuple[int, str | None]:
+        """(index in the handle, plan name) for a request's `model` and `allocmoe` fields."""
+        named = None
+        if model_field is not None and model_field != self.model_name:
+            base, sep, named = model_field.partition("@")
+            if not sep or base != self.model_name:
+                raise UnknownPlan(f"the model {model_field!r} does not exist; this server serves "
+                                  f"{self.model_name!r} (see GET /v1/models)")
+        if named is not None and plan is not None and named != plan:
+            raise AllocMoeError(f"the request names two plans: {named!r} in 'model' and {plan!r} in "
+                                "'allocmoe.plan'; name one")
+        name = named if named is not None else plan
+        if name is not None and budget is not None:
+            raise AllocMoeError("the request names both a plan and a budget; give one of them")
+        if budget is not None:
+            return self._for_budget(budget, method)
+        if name is None:
+            return 0, None
+        with self._lock:
+            if name not in self._by_name:
+                known = ", ".join(sorted(self._by_name)) or "none"
+                raise UnknownPlan(f"no plan named {name!r} on this server (plans: {known}); see GET /v1/models")
+            return self._by_name[name], name
+
+    def _for_budget(self, budget: float | str, method: str) -> tuple[int, str]:
+        from ..methods import PROFILE_METHODS, allocate
+
+        if isinstance(budget, bool):
+            raise AllocMoeError("allocmoe.budget must be a number or a string such as '1/2'")
+        parsed = Budget.parse(str(budget), self.num_layers, self.k_orig)
+        if method in PROFILE_METHODS and self.profile is None:
+            raise AllocMoeError(f"a budget with method {method!r} needs a profile: start the server with "
+                                "--profile PROFILE.json, or name a plan instead")
+        name = f"{method}-B{parsed.activations_per_token:g}"
+        with self._lock:
+            if name in self._by_name:
+                return self._by_name[name], name
+            if self._budget_plans >= self.max_budget_plans:
+                raise AllocMoeError(f"this server already holds {self.max_budget_plans} plans made for budgets; "
+                                    "ask for one of those budgets (see GET /v1/models) or name a plan")
+            plan = allocate(parsed, method, profile=self.profile, model=self.model)
+            index = self.handle.add_plan(per_sequence(plan))
+            self._by_name[name] = index
+            self._budget_plans += 1
+            self.names.append(name)
+            self.plans.append(self.handle.plans[index])
+            return index, name
+
+    def close(self) -> None:
+        self.handle.remove()
