@@ -198,3 +198,32 @@ def test_generate_cli_refuses_bad_input_in_one_line(argv, message, capsys):
         main(["generate", *argv])
     err = capsys.readouterr().err.strip().splitlines()
     assert exit_info.value.code == 2 and err[-1].startswith("allocmoe: error: ") and message in err[-1]
+
+
+def test_generate_under_an_applied_plan_measures_through_its_handle(builtin, plans):
+    model, tok = builtin
+    with apply_plan(model, plans["uniform"]) as handle:
+        stream = generate(model, tok, PROMPTS[2], max_new_tokens=8)
+        list(stream)
+        assert stream.summary.decode_activations_per_token == pytest.approx(handle.activations_per_token()) == 12
+        with pytest.raises(AllocMoeError, match="already applied"):
+            generate(model, tok, PROMPTS[2], plans["full"])
+    assert stream.token_ids == generate_tokens(model, tok, PROMPTS[2], plans["uniform"], 8)
+
+
+def generate_tokens(model, tok, prompt, plan, n):
+    stream = generate(model, tok, prompt, plan, max_new_tokens=n)
+    list(stream)
+    return stream.token_ids
+
+
+def test_extreme_temperature_and_top_p_still_sample_the_top_token():
+    from allocmoe.serve.sampling import next_token
+
+    logits = torch.tensor([0.5, 3.0, -1.0, 2.9])
+    generator = torch.Generator().manual_seed(0)
+    for params in (SamplingParams(temperature=1e-300), SamplingParams(temperature=1.0, top_p=5e-324)):
+        assert {next_token(logits, params, generator) for _ in range(20)} == {1}
+    # top_p = 0.6: token 1 holds softmax mass 0.50 < 0.6, so token 3 (0.45) joins it and no other does
+    drawn = {next_token(logits, SamplingParams(temperature=1.0, top_p=0.6), generator) for _ in range(200)}
+    assert drawn == {1, 3}

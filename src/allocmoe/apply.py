@@ -35,6 +35,7 @@ from .policies import AllocT, Policy, StaticTopK, expected_alloc_t_activations, 
 # routed pass: each token's ranked candidates, their probabilities, and how many it keeps.
 Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 _MARK = "_allocmoe_patched"
+_HANDLE = "_allocmoe_handle"        # on the model while a handle is installed: see active_handle()
 
 
 @dataclass
@@ -196,6 +197,7 @@ class PlanHandle:
                     if name in module.__dict__:
                         delattr(module, name)
         self._hook.remove()
+        self.model.__dict__.pop(_HANDLE, None)
         self.active = False
 
     # -- accounting ------------------------------------------------------------------------
@@ -258,7 +260,15 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
         ctx.row_activations = None
 
     hook = model.register_forward_pre_hook(read_batch, with_kwargs=True)
-    return PlanHandle(model, list(plans), layers, ctx, stats, hook, policies, k_orig)
+    handle = PlanHandle(model, list(plans), layers, ctx, stats, hook, policies, k_orig)
+    model.__dict__[_HANDLE] = handle
+    return handle
+
+
+def active_handle(model: nn.Module) -> PlanHandle | None:
+    """The handle of the plans installed on `model`, if any (so code handed a patched model can
+    count what it spends instead of assuming the full budget)."""
+    return model.__dict__.get(_HANDLE)
 
 
 def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], method: str = "manual") -> Plan:

@@ -6,7 +6,8 @@
     print(stream.summary.line())
 
 It runs the server's engine with one request, so what `generate` prints is what a served request
-gets. With `plan=None` the model runs unmodified (and spends the full budget on every token).
+gets. With `plan=None` the model runs as it is: unmodified, or under the plans already applied to
+it (`with apply_plan(model, plan): generate(model, ...)` measures through that handle).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-from ..apply import apply_plan
+from ..apply import active_handle, apply_plan
 from ..errors import AllocMoeError
 from ..plan import Plan, model_fingerprint
 from .engine import Engine, Request
@@ -65,7 +66,8 @@ class TextStream:
         if self._started:
             raise AllocMoeError("this generation was already iterated; call generate() again")
         self._started = True
-        handle = apply_plan(self.model, self.plan) if self.plan is not None else None
+        own = self.plan is not None
+        handle = apply_plan(self.model, self.plan) if own else active_handle(self.model)
         try:
             engine = Engine(self.model, self.tokenizer, handle, max_batch_size=1, max_queue=0)
             request = engine.submit(Request(list(self.prompt_ids), self.params))
@@ -76,7 +78,7 @@ class TextStream:
                     self.text += piece
                     yield piece
         finally:
-            if handle is not None:
+            if own:
                 handle.remove()
         if request.finish_reason == "error":
             raise RuntimeError(f"generation failed: {request.error}")
@@ -105,6 +107,9 @@ def generate(model, tokenizer, prompt: str | list[int] | list[dict[str, Any]],
                             stop=tuple(stop))
     if plan is not None and not isinstance(plan, Plan):
         plan = Plan.load(plan, model)
+    if plan is not None and active_handle(model) is not None:
+        raise AllocMoeError("a plan is already applied to this model; pass plan=None to generate under it, "
+                            "or remove its handle first")
     if chat:
         messages = [{"role": "user", "content": prompt}] if isinstance(prompt, str) else prompt
         ids = chat_prompt_ids(tokenizer, messages, chat_template)

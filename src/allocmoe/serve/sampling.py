@@ -50,10 +50,14 @@ def next_token(logits: torch.Tensor, params: SamplingParams, generator: torch.Ge
     """logits [V] (one row) -> the next token id."""
     if params.temperature == 0:
         return int(logits.argmax())
-    probs = torch.softmax(logits.float() / params.temperature, dim=-1)        # [V]
+    logits = logits.double()
+    # in fp64, max subtracted first: a tiny temperature then sends the rest to -inf, never to inf - inf
+    probs = torch.softmax((logits - logits.max()) / params.temperature, dim=-1)  # [V]
     if params.top_p < 1:
         sorted_probs, order = probs.sort(descending=True)                     # [V]
         before = sorted_probs.cumsum(-1) - sorted_probs                       # mass ranked above each token
-        sorted_probs = sorted_probs.masked_fill(before >= params.top_p, 0.0)  # the top one always stays
+        drop = before >= params.top_p
+        drop[0] = False                           # the top one always stays (even if top_p rounds to 0 in fp32)
+        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     return int(torch.multinomial(probs.cpu(), 1, generator=generator))

@@ -1,0 +1,299 @@
+"""The OpenAI-compatible server, run for real (uvicorn on a free loopback port) and talked to with
+the official `openai` client and raw HTTP. Expectations come from the Python API run alone on a
+second copy of the model: the same request's text and its activations through `PlanHandle`."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import re
+import socket
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import openai
+import pytest
+
+from allocmoe import ProfileConfig, allocate, apply_plan, generate, load_model, profile_sensitivity, read_text
+from allocmoe.serve.app import ServerConfig, create_app
+from allocmoe.serve.plans import per_sequence
+
+MODEL = "allocmoe-builtin"
+PROMPTS = ["The king said", "Once upon a time there was", "In the beginning", "A man walked into the",
+           "What is the", "She looked at him and", "And it came to pass that the people", "Why"]
+
+
+@contextlib.contextmanager
+def serving(app):
+    """Run `app` under uvicorn in a thread on a free 127.0.0.1 port; yield its base URL."""
+    import uvicorn
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        server.should_exit = True
+        thread.join(timeout=30)
+
+
+@pytest.fixture(scope="module")
+def reference():
+    """A second copy of the built-in model, for what each request gets alone through the Python API."""
+    return load_model()
+
+
+@pytest.fixture(scope="module")
+def setup(reference):
+    model, tok = reference
+    text, _ = read_text(None, "calibration")
+    profile = profile_sensitivity(model, tok, text, ProfileConfig(seq_len=128, max_tokens=256, batch_size=2,
+                                                                  progress=False))
+    plans = {"half": allocate("1/2", "alloc-t", model=model), "third": allocate("1/3", "uniform", model=model)}
+    return plans, profile
+
+
+@pytest.fixture(scope="module")
+def base(setup):
+    plans, profile = setup
+    model, tok = load_model()
+    with serving(create_app(model, tok, ServerConfig(plans=plans, profile=profile))) as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def client(base):
+    return openai.OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0)
+
+
+def alone(reference, prompt, plan, max_tokens, chat=False):
+    """(text, activations per token via PlanHandle) for one request through the Python API."""
+    model, tok = reference
+    with apply_plan(model, per_sequence(plan)) as handle:
+        stream = generate(model, tok, prompt, max_new_tokens=max_tokens, chat=chat)
+        text = "".join(stream)
+        return text, handle.activations_per_token()
+
+
+def metric(base, name, **labels) -> float:
+    """The sum of a Prometheus sample over the series whose labels include `labels`."""
+    text = httpx.get(f"{base}/metrics").text
+    total = 0.0
+    for line in text.splitlines():
+        match = re.match(rf"^{name}(?:{{(.*)}})? (\S+)$", line)
+        if match and all(f'{k}="{v}"' in (match.group(1) or "") for k, v in labels.items()):
+            total += float(match.group(2))
+    return total
+
+
+def test_models_lists_the_model_and_one_entry_per_plan(client):
+    ids = [m.id for m in client.models.list().data]
+    assert ids == [MODEL, f"{MODEL}@half", f"{MODEL}@third"]
+
+
+def test_health_and_metrics_answer(base):
+    assert httpx.get(f"{base}/health").status_code == 200
+    text = httpx.get(f"{base}/metrics").text
+    assert "allocmoe_full_activations_per_token 36.0" in text and "allocmoe_mixed_plan_batches_total" in text
+
+
+def test_completion_by_model_at_name_matches_the_request_alone(client, reference, setup):
+    plans, _ = setup
+    reply = client.completions.create(model=f"{MODEL}@third", prompt=PROMPTS[0], max_tokens=16, temperature=0)
+    text, spent = alone(reference, PROMPTS[0], plans["third"], 16)
+    assert reply.choices[0].text == text and reply.model == f"{MODEL}@third"
+    usage = reply.usage.model_extra["allocmoe"]
+    assert usage["plan"] == "third" and usage["full_activations_per_token"] == 36
+    assert usage["activations_per_token"] == pytest.approx(spent) == 12
+    assert reply.usage.prompt_tokens == 3 and reply.usage.completion_tokens == len(reference[1](text)["input_ids"])
+
+
+def test_plan_by_extension_field_equals_plan_by_name_and_differs_from_full(client, reference, setup):
+    plans, _ = setup
+    by_field = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0,
+                                         extra_body={"allocmoe": {"plan": "half"}})
+    by_name = client.completions.create(model=f"{MODEL}@half", prompt=PROMPTS[1], max_tokens=20, temperature=0)
+    full = client.completions.create(model=MODEL, prompt=PROMPTS[1], max_tokens=20, temperature=0)
+    assert by_field.choices[0].text == by_name.choices[0].text != full.choices[0].text
+    text, spent = alone(reference, PROMPTS[1], plans["half"], 20)
+    assert by_field.choices[0].text == text
+    assert by_field.usage.model_extra["allocmoe"]["activations_per_token"] == pytest.approx(spent)
+    assert full.usage.model_extra["allocmoe"] == {**full.usage.model_extra["allocmoe"], "plan": "full",
+                                                  "activations_per_token": 36.0}
+
+
+def test_a_budget_per_request_is_allocated_from_the_profile_and_cached(client, reference, setup, base):
+    _, profile = setup
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[2], max_tokens=12, temperature=0,
+                                      extra_body={"allocmoe": {"budget": 0.4}})
+    usage = reply.usage.model_extra["allocmoe"]
+    assert usage["plan"] == "alloc-moe-B14.4"
+    text, spent = alone(reference, PROMPTS[2], allocate(0.4, "alloc-moe", profile=profile), 12)
+    assert reply.choices[0].text == text and usage["activations_per_token"] == pytest.approx(spent)
+    assert usage["activations_per_token"] <= 14.4 + 0.5      # Alloc-T rounds round(T * K_l) per pass
+    again = client.completions.create(model=f"{MODEL}@alloc-moe-B14.4", prompt=PROMPTS[2], max_tokens=12,
+                                      temperature=0)
+    assert again.choices[0].text == text
+    assert f"{MODEL}@alloc-moe-B14.4" in [m.id for m in client.models.list().data]
+
+
+def test_streamed_text_equals_the_whole_reply_for_completions_and_chat(client):
+    whole = client.completions.create(model=f"{MODEL}@half", prompt=PROMPTS[3], max_tokens=24, temperature=0)
+    chunks = list(client.completions.create(model=f"{MODEL}@half", prompt=PROMPTS[3], max_tokens=24,
+                                            temperature=0, stream=True, stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].text for c in chunks if c.choices) == whole.choices[0].text
+    assert chunks[-1].usage.model_extra["allocmoe"] == whole.usage.model_extra["allocmoe"]
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == whole.choices[0].finish_reason
+
+    messages = [{"role": "system", "content": "Tell a story."}, {"role": "user", "content": "A king"}]
+    chat = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    parts = list(client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                stream=True))
+    assert parts[0].choices[0].delta.role == "assistant"
+    assert "".join(p.choices[0].delta.content or "" for p in parts) == chat.choices[0].message.content
+    assert chat.choices[0].message.content and chat.object == "chat.completion"
+
+
+def test_chat_reply_matches_generate_with_chat(client, reference, setup):
+    plans, _ = setup
+    chat = client.chat.completions.create(model=f"{MODEL}@third", messages=[{"role": "user", "content": "Hello"}],
+                                          max_completion_tokens=10, temperature=0)
+    text, spent = alone(reference, "Hello", plans["third"], 10, chat=True)
+    assert chat.choices[0].message.content == text
+    assert chat.usage.model_extra["allocmoe"]["activations_per_token"] == pytest.approx(spent)
+
+
+def test_the_sse_stream_ends_in_done_as_raw_http(base):
+    with httpx.stream("POST", f"{base}/v1/completions", json={"prompt": "Why", "max_tokens": 5, "stream": True,
+                                                               "temperature": 0}) as r:
+        assert r.headers["content-type"].startswith("text/event-stream")
+        events = [line for line in r.iter_lines() if line]
+    assert events[-1] == "data: [DONE]" and all(e.startswith("data: ") for e in events)
+    assert json.loads(events[-2][6:])["choices"][0]["finish_reason"] in ("length", "stop")
+
+
+def test_eight_concurrent_requests_over_three_plans_share_batches_and_equal_each_alone(client, base):
+    models = [MODEL, f"{MODEL}@half", f"{MODEL}@third"]
+
+    def ask(i):
+        return client.completions.create(model=models[i % 3], prompt=PROMPTS[i], max_tokens=24 + i, temperature=0,
+                                         extra_body={"ignore_eos": True})
+
+    sequential = [ask(i) for i in range(8)]
+    mixed_before = metric(base, "allocmoe_mixed_plan_batches_total")
+    with ThreadPoolExecutor(8) as pool:
+        concurrent = list(pool.map(ask, range(8)))
+    assert metric(base, "allocmoe_mixed_plan_batches_total") > mixed_before
+    for one, other in zip(sequential, concurrent):
+        assert other.choices[0].text == one.choices[0].text
+        assert other.usage.completion_tokens == one.usage.completion_tokens
+        assert other.usage.model_extra["allocmoe"]["activations_per_token"] == pytest.approx(
+            one.usage.model_extra["allocmoe"]["activations_per_token"])
+    assert metric(base, "allocmoe_requests_total", plan="half", status="200") >= 6
+    assert metric(base, "allocmoe_generation_tokens_total", plan="third") > 0
+
+
+BAD = [
+    ({"prompt": "hi", "model": "gpt-4"}, 404, "does not exist"),
+    ({"prompt": "hi", "model": f"{MODEL}@nope"}, 404, "no plan named 'nope'"),
+    ({"prompt": "hi", "allocmoe": {"plan": "nope"}}, 404, "no plan named"),
+    ({"prompt": "word " * 600}, 400, "context is 512 tokens"),
+    ({"prompt": "hi", "max_tokens": 0}, 400, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 600}, 400, "at most 511 new tokens"),
+    ({"prompt": "hi", "temperature": "hot"}, 400, "temperature"),
+    ({"prompt": "hi", "temperature": -1}, 400, "temperature"),
+    ({"prompt": 5}, 400, "prompt"),
+    ({"prompt": ["a", "b"]}, 400, "send one prompt per request"),
+    ({"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
+    ({"prompt": ""}, 400, "the prompt is empty"),
+    ({"prompt": "hi", "n": 2}, 400, "n=2"),
+    ({"prompt": "hi", "tools": []}, 400, "unsupported field 'tools'"),
+    ({"prompt": "hi", "logprobs": 3}, 400, "logprobs=3"),
+    ({"prompt": "hi", "stop": [""]}, 400, "stop strings must not be empty"),
+    ({"prompt": "hi", "allocmoe": {"budget": "lots"}}, 400, "is not a number"),
+    ({"prompt": "hi", "allocmoe": {"budget": 2000}}, 400, "above the full budget"),
+    ({"prompt": "hi", "allocmoe": {"budget": 0.5, "plan": "half"}}, 400, "both a plan and a budget"),
+    ({"prompt": "hi", "model": f"{MODEL}@half", "allocmoe": {"plan": "third"}}, 400, "names two plans"),
+    ({}, 400, "missing field 'prompt'"),
+]
+
+
+@pytest.mark.parametrize("body, status, message", BAD)
+def test_bad_requests_get_a_4xx_with_openai_error_json(base, body, status, message):
+    r = httpx.post(f"{base}/v1/completions", json=body)
+    error = r.json()["error"]
+    assert r.status_code == status == error["code"] and message in error["message"], error
+
+
+def test_malformed_json_wrong_routes_and_chat_errors_are_4xx_json(base):
+    r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "hi"', headers={"content-type": "application/json"})
+    assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]
+    r = httpx.get(f"{base}/v1/nothing")
+    assert r.status_code == 404 and r.json()["error"]["code"] == 404
+    r = httpx.get(f"{base}/v1/completions")
+    assert r.status_code == 405 and r.json()["error"]["code"] == 405
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": []})
+    assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
+    r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
+    assert r.status_code == 400
+
+
+@pytest.fixture(scope="module")
+def guarded():
+    """A second server: one slot, no queue, an API key."""
+    model, tok = load_model()
+    with serving(create_app(model, tok, ServerConfig(max_batch_size=1, max_queue=0, api_key="sekret"))) as url:
+        yield url
+
+
+def test_api_key_is_required_on_v1_routes_only(guarded):
+    assert httpx.get(f"{guarded}/health").status_code == 200
+    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+        r = httpx.get(f"{guarded}/v1/models", headers=headers)
+        assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    keyed = openai.OpenAI(base_url=f"{guarded}/v1", api_key="sekret", max_retries=0)
+    assert [m.id for m in keyed.models.list().data] == [MODEL]
+    with pytest.raises(openai.AuthenticationError):
+        openai.OpenAI(base_url=f"{guarded}/v1", api_key="wrong", max_retries=0).models.list()
+
+
+def test_a_full_queue_answers_503_with_retry_after_and_a_disconnect_frees_the_slot(guarded):
+    auth = {"Authorization": "Bearer sekret"}
+    long = {"prompt": "Once", "max_tokens": 500, "stream": True, "ignore_eos": True}
+    with httpx.Client(headers=auth) as http:
+        with http.stream("POST", f"{guarded}/v1/completions", json=long) as first:
+            next(first.iter_lines())                                  # generating: the one slot is taken
+            r = http.post(f"{guarded}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+            assert r.status_code == 503 and r.headers["retry-after"] == "1"
+            assert "queue is full" in r.json()["error"]["message"]
+        # the client went away mid-stream: the slot frees, and the next request is answered
+        deadline = time.monotonic() + 30
+        while metric(guarded, "allocmoe_num_requests_running") > 0:
+            assert time.monotonic() < deadline, "the cancelled stream kept its slot"
+            time.sleep(0.05)
+        r = http.post(f"{guarded}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
+        assert metric(guarded, "allocmoe_requests_total", status="499") == 1
+        assert metric(guarded, "allocmoe_generation_tokens_total") < 500 + 2
+
+
+def test_a_non_streaming_client_that_disconnects_frees_its_slot(guarded):
+    auth = {"Authorization": "Bearer sekret"}
+    with pytest.raises(httpx.TimeoutException):
+        httpx.post(f"{guarded}/v1/completions", headers=auth, timeout=0.5,
+                   json={"prompt": "Once", "max_tokens": 500, "ignore_eos": True})
+    deadline = time.monotonic() + 30
+    while metric(guarded, "allocmoe_num_requests_running") > 0:
+        assert time.monotonic() < deadline, "the abandoned request kept its slot"
+        time.sleep(0.05)
+    assert metric(guarded, "allocmoe_requests_total", status="499") >= 1
