@@ -139,11 +139,12 @@ def plot(result: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for name, cells in result["cells"].items():
+    for (name, cells), color in zip(result["cells"].items(), ("tab:blue", "tab:orange")):
         xs = [c["concurrency"] for c in cells]
-        ax1.plot(xs, [c["tokens_per_s"] for c in cells], marker="o", label=name)
-        ax2.plot(xs, [c["latency_p50_s"] for c in cells], marker="o", label=f"{name} p50")
-        ax2.plot(xs, [c["latency_p95_s"] for c in cells], marker="x", linestyle="--", label=f"{name} p95")
+        ax1.plot(xs, [c["tokens_per_s"] for c in cells], marker="o", color=color, label=name)
+        ax2.plot(xs, [c["latency_p50_s"] for c in cells], marker="o", color=color, label=f"{name} p50")
+        ax2.plot(xs, [c["latency_p95_s"] for c in cells], marker="x", color=color, linestyle="--",
+                 label=f"{name} p95")
     for ax, label in ((ax1, "generated tokens/s"), (ax2, "request latency (s)")):
         ax.set_xscale("log", base=2)
         ax.set_xlabel("concurrent clients")
