@@ -297,3 +297,77 @@ def test_a_non_streaming_client_that_disconnects_frees_its_slot(guarded):
         assert time.monotonic() < deadline, "the abandoned request kept its slot"
         time.sleep(0.05)
     assert metric(guarded, "allocmoe_requests_total", status="499") >= 1
+
+
+def test_allocmoe_serve_command_serves_its_plans_behind_the_key(tmp_path, setup):
+    """The command a user runs: `allocmoe serve --plan NAME=FILE --api-key KEY` in its own process."""
+    import subprocess
+    import sys
+
+    plans, _ = setup
+    plans["third"].save(tmp_path / "third.json")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "allocmoe.cli", "serve", "--port", str(port), "--plan",
+                             f"third={tmp_path / 'third.json'}", "--api-key", "k1", "--log-level", "warning"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "allocmoe serve did not come up"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(f"{base}/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        client = openai.OpenAI(base_url=f"{base}/v1", api_key="k1", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [MODEL, f"{MODEL}@third"]
+        reply = client.completions.create(model=f"{MODEL}@third", prompt="Why", max_tokens=4, temperature=0)
+        assert reply.usage.model_extra["allocmoe"]["activations_per_token"] == 12
+    finally:
+        proc.terminate()
+        out, _ = proc.communicate(timeout=30)
+    assert f"serving {MODEL}, {MODEL}@third on http://127.0.0.1:{port}/v1" in out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--plan", "bad name=x.json"], "must be letters, digits"),
+    (["--plan", "a=/no/plan.json"], "plan file not found"),
+    (["--max-batch-size", "0"], "--max-batch-size must be >= 1"),
+    (["--max-queue", "-1"], "--max-queue must be >= 0"),
+    (["--port", "70000"], "between 1 and 65535"),
+    (["--host", "no.such.host.invalid"], "is not an address of this machine"),
+    (["--api-key", " "], "--api-key is empty"),
+    (["--chat-template", "/no/t.jinja"], "chat template file not found"),
+])
+def test_serve_refuses_bad_flags_in_one_line(argv, message, capsys):
+    """Port 0 is refused last: a check that is missing fails the test instead of starting a server."""
+    from allocmoe.cli import main
+
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "--port", "0", *argv] if "--port" not in argv else ["serve", *argv])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exit_info.value.code == 2 and err[-1].startswith("allocmoe: error: ") and message in err[-1], err
+
+
+def test_serve_refuses_a_max_model_len_past_the_context(capsys):
+    from allocmoe.cli import main
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    with pytest.raises(SystemExit):
+        main(["serve", "--port", str(port), "--max-model-len", "100000"])
+    assert "must lie between 2 and the model's context of 512" in capsys.readouterr().err
+
+
+def test_serve_refuses_a_port_in_use(capsys):
+    from allocmoe.cli import main
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        with pytest.raises(SystemExit):
+            main(["serve", "--port", str(taken.getsockname()[1])])
+    assert "cannot listen on 127.0.0.1" in capsys.readouterr().err

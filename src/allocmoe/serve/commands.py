@@ -112,7 +112,7 @@ def cmd_serve(args) -> None:
     from .plans import PLAN_NAME
     from .prompts import read_chat_template
 
-    for name, value in (("--max-batch-size", args.max_batch_size), ("--port", args.port),
+    for name, value in (("--max-batch-size", args.max_batch_size),
                         ("--num-threads", args.num_threads or 1), ("--max-model-len", args.max_model_len or 2)):
         if value < 1:
             raise AllocMoeError(f"{name} must be >= 1, got {value}")
@@ -168,17 +168,17 @@ def _plan_files(values: list[str], pattern) -> dict[str, Path]:
 
 
 def _check_port_free(host: str, port: int) -> None:
-    if port > 65535:
-        raise AllocMoeError(f"--port must be at most 65535, got {port}")
     try:
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except socket.gaierror:
+        infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
+    except (socket.gaierror, UnicodeError):
         raise AllocMoeError(f"--host {host!r} is not an address of this machine") from None
+    if not 1 <= port <= 65535:
+        raise AllocMoeError(f"--port must lie between 1 and 65535, got {port}")
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
-            probe.bind(address)
+            probe.bind((address[0], port, *address[2:]))
         except OSError as exc:
             raise AllocMoeError(f"cannot listen on {host}:{port} ({exc.strerror}); pick another --port "
                                 "or stop what holds it") from None
