@@ -7,11 +7,12 @@ unmodified model, and `none` for requests refused before a plan was chosen.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics, generate_latest
 
 from .engine import StepStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+disable_created_metrics()      # no `*_created` timestamp series: half the page, and no scraper here reads them
 
 
 class ServerMetrics:
