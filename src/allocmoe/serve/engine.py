@@ -20,6 +20,7 @@ Shape legend: B = rows in the batch, L = cache columns (padding included), P = p
 
 from __future__ import annotations
 
+import inspect
 import itertools
 import threading
 import time
@@ -104,6 +105,9 @@ class Engine:
             self.full_activations = float(handle.plans[0].full_budget)
             handle.context.track_rows = True
         self.device = next(model.parameters()).device
+        # transformers >= 5.2x names the KV cache `cache`; 5.19 (the vLLM environment's) `past_key_values`
+        params = inspect.signature(model.forward).parameters
+        self._cache_kwarg = "cache" if "cache" in params else "past_key_values"
         self._waiting: deque[Request] = deque()
         self._rows: list[Request] = []
         self._cache = None
@@ -203,8 +207,8 @@ class Engine:
         """One pass; returns (last-position logits [B, V], the cache, activations per row [B])."""
         if self.handle is not None:
             self.handle.context.row_plans = [r.plan_index for r in rows]
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                         use_cache=True, logits_to_keep=1)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                         logits_to_keep=1, **{self._cache_kwarg: cache})
         cache = out["cache"] if "cache" in out else out.past_key_values
         if self.handle is not None:
             row_acts = self.handle.context.row_activations

@@ -1,0 +1,265 @@
+"""The vLLM plugin: `vllm serve MODEL` runs an allocmoe plan, or a plan per request.
+
+    ALLOCMOE_PLAN=plan.json vllm serve MODEL                     # every request under plan.json
+    ALLOCMOE_PLANS=half=a.json,third=b.json vllm serve MODEL     # + per request: vllm_xargs
+                                                                 #   {"allocmoe_plan": "half"}
+
+vLLM calls `register()` (entry point group `vllm.general_plugins`) in each of its processes. With
+neither variable set it does nothing. Otherwise it wraps the model loader so that, once the model
+is loaded, each MoE layer's router follows the plan:
+  - a single plan of static per-layer k (uniform, alloc-l, ascending, descending, lexi): each
+    layer's `router.top_k` is set, so vLLM's own kernel runs k_l experts: this is where the saving
+    comes from;
+  - token-level policies (alloc-t, top-p, naee) or several plans: `router._compute_routing` is
+    replaced by allocmoe's selection. vLLM's kernel takes a fixed width per step and cannot skip
+    ids (-1 corrupts the CPU kernel), so each step runs at the widest count any token needs and the
+    dropped slots get weight 0: exact in quality, but a dropped slot inside that width is still
+    computed. Alloc-T pools per request (its tokens in the step), as in allocmoe's own server.
+For a plan per request, the model runner's `_prepare_inputs` is wrapped to note which request's
+tokens are where in the step (vLLM lays them out in `input_batch.req_ids` order), and each
+request's `allocmoe_plan` is checked when its SamplingParams are made (an unknown name is a 400).
+
+ALLOCMOE_STATS=1 counts activations per plan inside the plugin (`read_stats`, for tests and
+benchmarks; it costs a graph break per layer on the static path).
+
+Shape legend: T = tokens in the step, E = experts, K = the model's top-k, W = widest count in the step.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+
+ENV_PLAN, ENV_PLANS, ENV_STATS = "ALLOCMOE_PLAN", "ALLOCMOE_PLANS", "ALLOCMOE_STATS"
+XARG = "allocmoe_plan"          # the vllm_xargs / SamplingParams.extra_args key naming a request's plan
+DEFAULT = "default"             # the stats name of ALLOCMOE_PLAN (or of the full model when unset)
+
+
+@dataclass
+class PluginConfig:
+    default: Path | None                                   # ALLOCMOE_PLAN: the plan of requests naming none
+    named: dict[str, Path] = field(default_factory=dict)   # ALLOCMOE_PLANS: chosen per request
+    stats: bool = False                                    # ALLOCMOE_STATS=1: count activations
+
+    @classmethod
+    def from_env(cls, env=os.environ) -> "PluginConfig | None":
+        from ..errors import AllocMoeError
+        from ..serve.plans import PLAN_NAME
+
+        default = env.get(ENV_PLAN) or None
+        named: dict[str, Path] = {}
+        for item in filter(None, (s.strip() for s in env.get(ENV_PLANS, "").split(","))):
+            name, sep, path = item.partition("=")
+            if not sep or not PLAN_NAME.match(name) or name == DEFAULT or name in named:
+                raise AllocMoeError(f"{ENV_PLANS}: {item!r} must be NAME=PLAN.json with a new name of letters, "
+                                    f"digits, '.', '_' or '-' (not {DEFAULT!r})")
+            named[name] = Path(path)
+        if default is None and not named:
+            return None
+        for path in ([Path(default)] if default else []) + list(named.values()):
+            if not path.is_file():
+                raise AllocMoeError(f"allocmoe vLLM plugin: plan file not found: {path}")
+        return cls(Path(default) if default else None, named, env.get(ENV_STATS, "") not in ("", "0"))
+
+
+class _Step:
+    """Where each request's tokens sit in the current step, and which plan each follows."""
+
+    def __init__(self):
+        self.segments: list[tuple[int, int, int]] = []     # (first token, end, plan index)
+
+    def for_tokens(self, num_tokens: int) -> list[tuple[int, int, int]]:
+        covered = self.segments[-1][1] if self.segments else 0
+        if covered != num_tokens:           # warm-up and dummy runs: every token under the default
+            return [(0, num_tokens, 0)]
+        return self.segments
+
+
+class _State:
+    def __init__(self, config: PluginConfig):
+        from ..plan import Plan
+
+        self.config = config
+        self.names = [DEFAULT] + list(config.named)
+        self.plans = [Plan.load(config.default) if config.default else None] + [Plan.load(p) for p in config.named.values()]
+        self.step = _Step()
+        self.stats: dict[str, list[int]] = {name: [0, 0] for name in self.names}   # activations, tokens
+        self.layer_stats: dict[int, list[int]] = {}      # per MoE layer: activations, tokens
+        self.first_layer: int | None = None              # tokens are counted once per step, at this layer
+
+    def plan_index(self, extra_args) -> int:
+        name = (extra_args or {}).get(XARG)
+        return 0 if name in (None, DEFAULT) else self.names.index(name)
+
+
+_state: _State | None = None
+
+
+def register() -> None:
+    """vLLM's entry point: read the environment, patch the loader, runner and sampling params."""
+    global _state
+    config = PluginConfig.from_env()
+    if config is None or _state is not None:
+        return
+    _state = _State(config)
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.sampling_params import SamplingParams
+
+    load_model = BaseModelLoader.load_model
+
+    def load_model_with_plan(self, vllm_config, model_config, *args, **kwargs):
+        model = load_model(self, vllm_config, model_config, *args, **kwargs)
+        install(model, model_config.hf_config, _state)
+        return model
+
+    BaseModelLoader.load_model = load_model_with_plan
+
+    verify = SamplingParams._verify_extra_args
+
+    def verify_with_plan(self):
+        verify(self)
+        name = (self.extra_args or {}).get(XARG)
+        if name is not None and name not in _state.names:
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(f"unknown allocmoe plan {name!r}; this server has: "
+                                      f"{', '.join(_state.names)}", parameter="vllm_xargs")
+
+    SamplingParams._verify_extra_args = verify_with_plan
+    _patch_runner(_state)
+
+
+def _patch_runner(state: _State) -> None:
+    from vllm.v1.worker.gpu_model_runner import GPUModelRunner
+
+    prepare = GPUModelRunner._prepare_inputs
+
+    def prepare_with_plans(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
+        out = prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        segments, start = [], 0
+        for req_id, n in zip(self.input_batch.req_ids, num_scheduled_tokens.tolist()):
+            params = self.requests[req_id].sampling_params
+            segments.append((start, start + int(n), state.plan_index(params.extra_args if params else None)))
+            start += int(n)
+        state.step.segments = segments
+        return out
+
+    GPUModelRunner._prepare_inputs = prepare_with_plans
+
+
+def install(model, hf_config, state: _State) -> None:
+    """Point each MoE layer's router at the plans (called once the model is loaded)."""
+    from ..errors import AllocMoeError
+
+    runners = sorted(((m.layer_id, m) for m in model.modules() if _is_moe_runner(m)), key=lambda x: x[0])
+    if not runners:
+        raise AllocMoeError("allocmoe vLLM plugin: found no MoE layers (MoERunner with a router) in this model")
+    for plan in filter(None, state.plans):
+        _check_plan(plan, hf_config, [i for i, _ in runners])
+    k_orig = runners[0][1].router.top_k
+    plans = state.plans
+    state.first_layer = runners[0][0]
+    static = len(plans) == 1 and all(type(p).__name__ == "StaticTopK" for p in plans[0].layers.values())
+    for index, runner in runners:
+        router = runner.router
+        if static:
+            router.top_k = plans[0].layers[index].k
+            if state.config.stats:
+                _count_static(router, index, state)
+        else:
+            _route_by_plans(router, index, [p.layers[index] if p else None for p in plans], k_orig, state)
+
+
+def _is_moe_runner(module) -> bool:
+    return type(module).__name__ == "MoERunner" and hasattr(module, "router") and hasattr(module.router, "top_k")
+
+
+def _check_plan(plan, hf_config, layer_ids: list[int]) -> None:
+    from ..errors import AllocMoeError
+
+    experts = next((getattr(hf_config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
+                    if getattr(hf_config, n, None)), None)
+    found = {"model_type": getattr(hf_config, "model_type", None), "num_moe_layers": len(layer_ids),
+             "num_experts": experts,
+             "k_orig": getattr(hf_config, "num_experts_per_tok", None), "moe_layers": layer_ids}
+    for key, value in found.items():
+        if plan.model.get(key) is not None and value is not None and plan.model[key] != value:
+            raise AllocMoeError(f"allocmoe vLLM plugin: the plan was made for another model: {key} is "
+                                f"{plan.model[key]!r} in the plan but {value!r} in the served model")
+
+
+def _count_static(router, index: int, state: _State) -> None:
+    import torch
+
+    compute = router._compute_routing
+
+    @torch.compiler.disable
+    def counted(hidden_states, router_logits, indices_type, *, input_ids=None):
+        weights, ids = compute(hidden_states, router_logits, indices_type, input_ids=input_ids)
+        _add(state, index, [(0, ids.size(0), 0)], torch.full((ids.size(0),), ids.size(1)))
+        return weights, ids
+
+    router._compute_routing = counted
+
+
+def _add(state: _State, index: int, segments, counts) -> None:
+    layer = state.layer_stats.setdefault(index, [0, 0])
+    for start, end, plan_index in segments:
+        spent = int(counts[start:end].sum())
+        state.stats[state.names[plan_index]][0] += spent
+        if index == state.first_layer:
+            state.stats[state.names[plan_index]][1] += end - start
+        layer[0] += spent
+        layer[1] += end - start
+
+
+def _route_by_plans(router, index: int, policies: list, k_orig: int, state: _State) -> None:
+    """Replace `router._compute_routing` with per-request selection at the step's widest count."""
+    import torch
+
+    from ..errors import AllocMoeError
+    from ..policies import StaticTopK, prefix_mask
+
+    if router.use_grouped_topk or router.scoring_func != "softmax" or router.custom_routing_function is not None:
+        raise AllocMoeError("allocmoe vLLM plugin: token-level policies and per-request plans need a plain "
+                            f"softmax top-k router; layer {index} uses grouped top-k or {router.scoring_func!r} "
+                            "scoring (DeepSeek); serve a single static per-layer plan instead")
+    policies = [p if p is not None else StaticTopK(k_orig) for p in policies]     # no default plan: full model
+    native = router._compute_routing
+
+    @torch.compiler.disable
+    def routed(hidden_states, router_logits, indices_type, *, input_ids=None):
+        num_tokens = router_logits.size(0)
+        segments = state.step.for_tokens(num_tokens)
+        cand_logits, cand_idx = router_logits.topk(k_orig, dim=-1)                      # [T, K] best first
+        cand_probs = (cand_logits.float() - torch.logsumexp(router_logits.float(), -1, keepdim=True)).exp()
+        counts = torch.empty(num_tokens, dtype=torch.long)                              # [T]
+        for start, end, plan_index in segments:
+            valid = torch.ones(end - start, dtype=torch.bool)
+            counts[start:end] = policies[plan_index].counts(cand_probs[start:end], valid, 1)
+        if state.config.stats:
+            _add(state, index, segments, counts)
+        width = int(counts.max()) if num_tokens else k_orig
+        if width == k_orig and bool((counts == k_orig).all()):
+            return native(hidden_states, router_logits, indices_type, input_ids=input_ids)   # vLLM's own, bit for bit
+        keep = prefix_mask(counts, width)                                               # [T, W]
+        if router.renormalize:
+            weights = torch.softmax(cand_logits[:, :width].masked_fill(~keep, float("-inf")), dim=-1)
+        else:
+            weights = cand_probs[:, :width] * keep
+        return weights.float().contiguous(), cand_idx[:, :width].to(torch.int32).contiguous()
+
+    router._compute_routing = routed
+
+
+def read_stats(worker=None) -> dict:
+    """Activations counted in this process: {"plans": {name: {activations (summed over MoE layers),
+    tokens, per_token}}, "layers": {index: activations per token}}.
+    Call through `LLM.collective_rpc(read_stats)` to read a worker's."""
+    if _state is None:
+        return {}
+    plans = {name: {"activations": a, "tokens": t, "per_token": a / t if t else None}
+             for name, (a, t) in _state.stats.items()}
+    layers = {str(i): a / t if t else None for i, (a, t) in sorted(_state.layer_stats.items())}
+    return {"plans": plans, "layers": layers}
