@@ -9,6 +9,7 @@ import torch
 
 COMMON = dict(vocab_size=512, hidden_size=128, intermediate_size=96, num_hidden_layers=2, num_attention_heads=2,
               num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False)
+EXPERT_SCALE = 8.0
 FAMILIES = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       head_dim=64, decoder_sparse_step=1, mlp_only_layers=[]),
@@ -36,6 +37,8 @@ def build(model_type: str, folder: Path) -> Path:
         for name, param in model.named_parameters():
             if name.endswith("gate.weight") and param.dim() == 2 and param.size(0) == 8:
                 param.normal_(0, 1.0)
+            if ".experts." in name:
+                param.mul_(EXPERT_SCALE)     # experts dominate the residual, so one expert less shows
         model.lm_head.weight.mul_(30.0)
     model.save_pretrained(folder)
     return folder
