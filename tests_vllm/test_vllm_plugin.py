@@ -24,12 +24,13 @@ PROMPTS = ["The king said", "And it came to pass", "Once upon a time there was"]
 MAX_TOKENS = 12
 
 
-def run_vllm(model_dir: Path, requests: list[dict], tmp_path: Path, **env) -> dict:
+def run_vllm(model_dir: Path, requests: list[dict], tmp_path: Path, compile: bool = False, **env) -> dict:
     req_file = tmp_path / f"requests-{len(list(tmp_path.iterdir()))}.json"
     req_file.write_text(json.dumps(requests))
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCMOE_")}
     full_env.update(VLLM_CPU_KVCACHE_SPACE="1", **{k: str(v) for k, v in env.items()})
-    proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(model_dir), str(req_file)],
+    proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(model_dir), str(req_file)]
+                          + (["--compile"] if compile else []),
                           capture_output=True, text=True, env=full_env, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -77,6 +78,9 @@ def test_plain_vllm_equals_transformers_and_a_static_plan_equals_allocmoe_genera
     requests = [{"prompt_ids": p, "max_tokens": MAX_TOKENS} for p in prompts]
     plain = run_vllm(folder, requests, tmp_path)
     static = run_vllm(folder, requests, tmp_path, ALLOCMOE_PLAN=files["ascending"], ALLOCMOE_STATS=1)
+    # vLLM's default mode: torch.compile traces the MoE with the plan's top_k inline (no stats wrapper)
+    compiled = run_vllm(folder, requests, tmp_path, compile=True, ALLOCMOE_PLAN=files["ascending"])
+    assert compiled["outputs"] == static["outputs"]
     assert plain["stats"] == {}                             # no ALLOCMOE_* set: the plugin does nothing
     differs = 0
     for i, prompt in enumerate(prompts):
@@ -89,12 +93,13 @@ def test_plain_vllm_equals_transformers_and_a_static_plan_equals_allocmoe_genera
 
 
 def test_a_plan_per_request_in_one_batch_each_equal_to_its_plan_alone(setup, tmp_path):
-    """Full, static per-layer and Alloc-T requests in one LLM.generate call (one vLLM batch)."""
+    """Full, static per-layer and Alloc-T requests in one LLM.generate call (one vLLM batch), under
+    torch.compile (vLLM's default; the plugin runs such layers through vLLM's opaque MoE op)."""
     folder, model, tok, files, prompts = setup
     names = [None, "asc", "at"]
     requests = [{"prompt_ids": p, "max_tokens": MAX_TOKENS, "plan": names[i % 3]}
                 for i, p in enumerate(prompts * 2)]
-    mixed = run_vllm(folder, requests, tmp_path, ALLOCMOE_STATS=1,
+    mixed = run_vllm(folder, requests, tmp_path, compile=True, ALLOCMOE_STATS=1,
                      ALLOCMOE_PLANS=f"asc={files['ascending']},at={files['alloc-t']}")
     plan_files = {None: None, "asc": files["ascending"], "at": files["alloc-t"]}
     for request, out in zip(requests, mixed["outputs"]):

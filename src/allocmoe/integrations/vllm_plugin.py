@@ -167,8 +167,20 @@ def install(model, hf_config, state: _State) -> None:
             router.top_k = plans[0].layers[index].k
             if state.config.stats:
                 _count_static(router, index, state)
+                _run_opaque(runner)
         else:
             _route_by_plans(router, index, [p.layers[index] if p else None for p in plans], k_orig, state)
+            _run_opaque(runner)
+
+
+def _run_opaque(runner) -> None:
+    """Run the layer through vLLM's own `moe_forward` custom op, as vLLM does on GPU: torch.compile
+    then treats the whole MoE as one opaque call and our Python routing runs eagerly inside it (on
+    CPU vLLM traces the MoE inline, and fullgraph capture refuses a function it may not trace)."""
+    import torch
+
+    runner._forward_entry = (torch.ops.vllm.moe_forward if runner._shared_experts is None
+                             else torch.ops.vllm.moe_forward_shared)
 
 
 def _is_moe_runner(module) -> bool:
