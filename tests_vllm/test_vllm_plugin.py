@@ -24,13 +24,14 @@ PROMPTS = ["The king said", "And it came to pass", "Once upon a time there was"]
 MAX_TOKENS = 12
 
 
-def run_vllm(model_dir: Path, requests: list[dict], tmp_path: Path, compile: bool = False, **env) -> dict:
+def run_vllm(model_dir: Path, requests: list[dict], tmp_path: Path, compile: bool = False,
+             args: tuple[str, ...] = (), **env) -> dict:
     req_file = tmp_path / f"requests-{len(list(tmp_path.iterdir()))}.json"
     req_file.write_text(json.dumps(requests))
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCMOE_")}
     full_env.update(VLLM_CPU_KVCACHE_SPACE="1", **{k: str(v) for k, v in env.items()})
     proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(model_dir), str(req_file)]
-                          + (["--compile"] if compile else []),
+                          + (["--compile"] if compile else []) + list(args),
                           capture_output=True, text=True, env=full_env, timeout=600)
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -44,8 +45,10 @@ def setup(request, tmp_path_factory):
     folder = tiny_models.build(request.param, tmp_path_factory.mktemp(request.param) / "model")
     model, tok = load_model(folder)
     plans_dir = folder.parent
-    files = {"ascending": plans_dir / "ascending.json", "alloc-t": plans_dir / "alloc_t.json"}
+    files = {"ascending": plans_dir / "ascending.json", "alloc-t": plans_dir / "alloc_t.json",
+             "uniform": plans_dir / "uniform.json"}
     allocate(3, "ascending", model=model).save(files["ascending"])        # k = 1 in layer 0, 2 in layer 1
+    allocate(2, "uniform", model=model).save(files["uniform"])            # k = 1 in both
     allocate(0.75, "alloc-t", model=model).save(files["alloc-t"])         # 1.5 per layer, pooled per request
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     return folder, model, tok, files, prompts
@@ -113,3 +116,17 @@ def test_a_plan_per_request_in_one_batch_each_equal_to_its_plan_alone(setup, tmp
     expected = sum(2 * (len(r["prompt_ids"]) + (len(r["prompt_ids"]) + 1) // 2) + 2 * 2 * (MAX_TOKENS - 1) for r in at)
     assert plans["at"]["activations"] == expected
     assert plans["at"]["tokens"] == sum(len(r["prompt_ids"]) + MAX_TOKENS - 1 for r in at)
+
+
+def test_the_exported_global_k_runs_in_plain_vllm_as_the_plan_does_in_allocmoe(setup, tmp_path):
+    """`allocmoe export --format vllm-global`: its --hf-overrides, given to vLLM without the plugin."""
+    from allocmoe.integrations.export import export_plan
+
+    folder, model, tok, files, prompts = setup
+    command = export_plan("vllm-global", {None: files["uniform"]}, model=str(folder)).command
+    overrides = command[command.index("--hf-overrides") + 1]
+    requests = [{"prompt_ids": p, "max_tokens": MAX_TOKENS} for p in prompts]
+    out = run_vllm(folder, requests, tmp_path, args=("--hf-overrides", overrides))
+    assert out["stats"] == {}                                           # the plugin stayed out
+    for prompt, tokens in zip(prompts, out["outputs"]):
+        compare(tokens, reference(model, tok, prompt, files["uniform"])[0])
