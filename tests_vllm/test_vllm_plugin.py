@@ -49,6 +49,8 @@ def setup(request, tmp_path_factory):
              "uniform": plans_dir / "uniform.json"}
     allocate(3, "ascending", model=model).save(files["ascending"])        # k = 1 in layer 0, 2 in layer 1
     allocate(2, "uniform", model=model).save(files["uniform"])            # k = 1 in both
+    files["full"] = plans_dir / "full.json"
+    allocate(1.0, "uniform", model=model).save(files["full"])             # the full budget, as a plan file
     allocate(0.75, "alloc-t", model=model).save(files["alloc-t"])         # 1.5 per layer, pooled per request
     prompts = [tok(p)["input_ids"] for p in PROMPTS]
     return folder, model, tok, files, prompts
@@ -99,17 +101,18 @@ def test_a_plan_per_request_in_one_batch_each_equal_to_its_plan_alone(setup, tmp
     """Full, static per-layer and Alloc-T requests in one LLM.generate call (one vLLM batch), under
     torch.compile (vLLM's default; the plugin runs such layers through vLLM's opaque MoE op)."""
     folder, model, tok, files, prompts = setup
-    names = [None, "asc", "at"]
-    requests = [{"prompt_ids": p, "max_tokens": MAX_TOKENS, "plan": names[i % 3]}
-                for i, p in enumerate(prompts * 2)]
+    names = [None, "asc", "at", "full"]
+    requests = [{"prompt_ids": p, "max_tokens": MAX_TOKENS, "plan": names[i % 4]}
+                for i, p in enumerate(prompts * 3)]
     mixed = run_vllm(folder, requests, tmp_path, compile=True, ALLOCMOE_STATS=1,
-                     ALLOCMOE_PLANS=f"asc={files['ascending']},at={files['alloc-t']}")
-    plan_files = {None: None, "asc": files["ascending"], "at": files["alloc-t"]}
+                     ALLOCMOE_PLANS=f"asc={files['ascending']},at={files['alloc-t']},full={files['full']}")
+    # a full-budget plan gives the unmodified model's tokens (which test 1 shows are plain vLLM's)
+    plan_files = {None: None, "asc": files["ascending"], "at": files["alloc-t"], "full": None}
     for request, out in zip(requests, mixed["outputs"]):
         compare(out, reference(model, tok, request["prompt_ids"], plan_files[request["plan"]])[0])
     plans = mixed["stats"]["plans"]
     assert plans["default"]["per_token"] == 4.0                         # no plan named: the full model
-    assert plans["asc"]["per_token"] == 3.0
+    assert plans["asc"]["per_token"] == 3.0 and plans["full"]["per_token"] == 4.0
     # Alloc-T at k = 1.5 per layer, pooled per request and step: a prompt of T tokens (one step) spends
     # T + floor(0.5 T + 0.5) per layer; each decode step (one token) floor(1.5 + 0.5) = 2 per layer
     at = [r for r in requests if r["plan"] == "at"]

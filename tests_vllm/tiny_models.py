@@ -42,3 +42,9 @@ def build(model_type: str, folder: Path) -> Path:
         model.lm_head.weight.mul_(30.0)
     model.save_pretrained(folder)
     return folder
+
+
+if __name__ == "__main__":          # python tests_vllm/tiny_models.py qwen3_moe OUT_DIR
+    import sys
+
+    print(build(sys.argv[1], Path(sys.argv[2])))

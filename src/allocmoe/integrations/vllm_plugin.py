@@ -128,6 +128,22 @@ def register() -> None:
 
     SamplingParams._verify_extra_args = verify_with_plan
     _patch_runner(_state)
+    _check_plans_early(_state)
+
+
+def _check_plans_early(state: _State) -> None:
+    """Check the plans against the model's config as soon as vLLM reads it (in the API process, before
+    any worker starts), so a wrong plan is one line at start-up rather than a worker's traceback."""
+    from vllm.config.model import ModelConfig
+
+    post_init = ModelConfig.__post_init__
+
+    def post_init_with_check(self, *args, **kwargs):
+        post_init(self, *args, **kwargs)
+        for plan in filter(None, state.plans):
+            _check_plan(plan, self.hf_config, None)
+
+    ModelConfig.__post_init__ = post_init_with_check
 
 
 def _patch_runner(state: _State) -> None:
@@ -171,6 +187,23 @@ def install(model, hf_config, state: _State) -> None:
         else:
             _route_by_plans(router, index, [p.layers[index] if p else None for p in plans], k_orig, state)
             _run_opaque(runner)
+    _log_installed(state, static, [i for i, _ in runners])
+
+
+def _log_installed(state: _State, static: bool, layer_ids: list[int]) -> None:
+    """One line in vLLM's log (its `vllm.*` logger) per process that installs, so users see it worked."""
+    import logging
+
+    described = []
+    for name, plan in zip(state.names, state.plans):
+        if plan is None:
+            described.append(f"{name}: full model")
+        else:
+            ks = " ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:?" for i, p in sorted(plan.layers.items()))
+            described.append(f"{name}: {plan.method} at {plan.budget:g} of {plan.full_budget} ({ks})")
+    how = "static per-layer top_k" if static else "weight-0 routing wrapper"
+    logging.getLogger("vllm.allocmoe").info("allocmoe plugin: %d MoE layers, %s; plans %s", len(layer_ids), how,
+                                            "; ".join(described))
 
 
 def _run_opaque(runner) -> None:
@@ -187,14 +220,16 @@ def _is_moe_runner(module) -> bool:
     return type(module).__name__ == "MoERunner" and hasattr(module, "router") and hasattr(module.router, "top_k")
 
 
-def _check_plan(plan, hf_config, layer_ids: list[int]) -> None:
+def _check_plan(plan, hf_config, layer_ids: list[int] | None) -> None:
+    """Refuse a plan made for another model; `layer_ids` None: only what the config alone tells."""
     from ..errors import AllocMoeError
 
     experts = next((getattr(hf_config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(hf_config, n, None)), None)
-    found = {"model_type": getattr(hf_config, "model_type", None), "num_moe_layers": len(layer_ids),
-             "num_experts": experts,
-             "k_orig": getattr(hf_config, "num_experts_per_tok", None), "moe_layers": layer_ids}
+    found = {"model_type": getattr(hf_config, "model_type", None), "num_experts": experts,
+             "k_orig": getattr(hf_config, "num_experts_per_tok", None)}
+    if layer_ids is not None:
+        found.update(num_moe_layers=len(layer_ids), moe_layers=layer_ids)
     for key, value in found.items():
         if plan.model.get(key) is not None and value is not None and plan.model[key] != value:
             raise AllocMoeError(f"allocmoe vLLM plugin: the plan was made for another model: {key} is "
