@@ -26,7 +26,7 @@ for method in uniform alloc-t; do
     python3 -m allocmoe bench --model synthetic:deepseek-v2-lite --budget 0.5 --method "$method" \
       --batch-size "$batch" --input-len "$INPUT_LEN" --output-len 32 --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" \
       --num-layers "$NUM_LAYERS" \
-      --output-json "$OUT_DIR/dsv2lite_${method}_b${batch}.json" > /dev/null
+      --output "$OUT_DIR/dsv2lite_${method}_b${batch}.json" > /dev/null
   done
 done
 python3 - "$OUT_DIR" <<'PY'

@@ -23,7 +23,7 @@ dsv2_cli() {
   for method in uniform alloc-t; do
     allocmoe bench --model synthetic:deepseek-v2-lite --num-layers "$NUM_LAYERS" --budget 0.5 --method "$method" \
       --input-len "$2" --output-len "$3" --repeats "$4" \
-      --output-json "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_$1_$method.json" > /dev/null
+      --output "$OUT/cpu_dsv2lite_${NUM_LAYERS}layers_$1_$method.json" > /dev/null
   done
 }
 # prefill alone (one decode step), more rounds: 15 at 256 tokens, 7 at 1,024 (REPEATS=5; about 35 minutes)
@@ -41,7 +41,7 @@ for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do
   for method in uniform alloc-t; do
     allocmoe bench --model "synthetic:$name" --num-layers "$OTHER_LAYERS" --budget 0.5 --method "$method" \
       --input-len 256 --output-len 16 --repeats "$(( REPEATS < 3 ? REPEATS : 3 ))" \
-      --output-json "$OUT/cpu_${short}_${OTHER_LAYERS}layers_prompt256_$method.json" > /dev/null
+      --output "$OUT/cpu_${short}_${OTHER_LAYERS}layers_prompt256_$method.json" > /dev/null
   done
 done
 echo "wrote $OUT"

@@ -21,7 +21,7 @@ def expect_error(capsys, argv, message):
 @pytest.fixture(scope="module")
 def profile_file(tiny_folder, tmp_path_factory):
     out = tmp_path_factory.mktemp("prof") / "profile.json"
-    main(["profile", "--model", str(tiny_folder), "--max-tokens", "512", "--seq-len", "32", "--output", str(out)])
+    main(["profile", "--model", str(tiny_folder), "--calib-tokens", "512", "--seq-len", "32", "--output", str(out)])
     return out
 
 
@@ -36,8 +36,8 @@ def test_profile_allocate_eval_round_trip(tiny_folder, profile_file, tmp_path, c
     assert set(data["layers"]) == {"1", "2", "3"} and all(e["policy"] == "alloc-t" for e in data["layers"].values())
     capsys.readouterr()
     out_json = tmp_path / "eval.json"
-    main(["eval", "--model", str(tiny_folder), "--plan", str(plan), "--max-tokens", "512", "--seq-len", "32",
-          "--output-json", str(out_json)])
+    main(["eval", "--model", str(tiny_folder), "--plan", str(plan), "--eval-tokens", "512", "--seq-len", "32",
+          "--output", str(out_json)])
     result = json.loads(out_json.read_text())
     assert result == json.loads(capsys.readouterr().out)
     assert result["full_activations_per_token"] == 12 and result["activations_per_token"] <= 6 + 1e-9
@@ -47,8 +47,8 @@ def test_profile_allocate_eval_round_trip(tiny_folder, profile_file, tmp_path, c
 def test_sweep_writes_results_table_and_plots(tiny_folder, profile_file, tmp_path):
     out = tmp_path / "sweep"
     main(["sweep", "--model", str(tiny_folder), "--profile", str(profile_file), "--budgets", "1/2",
-          "--methods", "uniform,alloc-moe,top-p", "--max-tokens", "512", "--calib-max-tokens", "512",
-          "--seq-len", "32", "--output-dir", str(out)])
+          "--methods", "uniform,alloc-moe,top-p", "--eval-tokens", "512", "--calib-tokens", "512",
+          "--seq-len", "32", "--output", str(out)])
     results = json.loads((out / "results.json").read_text())
     assert {"model", "full", "rows"} <= set(results)
     assert [r["method"] for r in results["rows"]] == ["uniform", "alloc-moe", "top-p"]
@@ -58,6 +58,33 @@ def test_sweep_writes_results_table_and_plots(tiny_folder, profile_file, tmp_pat
     for name in ("results.md", "quality_vs_activations.png", "allocations.png"):
         assert (out / name).stat().st_size > 100
     assert (out / "quality_vs_activations.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_old_flag_spellings_still_work_and_warn_and_prefixes_are_refused(tiny_folder, tmp_path, capsys):
+    new, old = tmp_path / "new.json", tmp_path / "old.json"
+    common = ["eval", "--model", str(tiny_folder), "--seq-len", "32", "--quiet"]
+    main(common + ["--eval-tokens", "256", "--output", str(new)])
+    assert "deprecated" not in capsys.readouterr().err
+    main(common + ["--max-tokens", "256", "--output-json", str(old)])
+    err = capsys.readouterr().err
+    assert "allocmoe: warning: --max-tokens is deprecated; use --eval-tokens" in err
+    assert "allocmoe: warning: --output-json is deprecated; use --output" in err
+    a, b = json.loads(new.read_text()), json.loads(old.read_text())
+    assert a["tokens"] == b["tokens"] <= 256 and a["perplexity"] == b["perplexity"]
+    for argv in (["eval", "--model", str(tiny_folder), "--out", str(tmp_path / "x.json")],      # not --output
+                 ["profile", "--model", str(tiny_folder), "--calib", "64", "--output", str(tmp_path / "p.json")]):
+        with pytest.raises(SystemExit) as exc:
+            main(argv)
+        assert exc.value.code == 2 and "unrecognized arguments" in capsys.readouterr().err
+    assert not (tmp_path / "x.json").exists() and not (tmp_path / "p.json").exists()
+
+
+def test_quiet_turns_the_progress_bar_off(tiny_folder, tmp_path, capsys):
+    for quiet in (False, True):
+        main(["profile", "--model", str(tiny_folder), "--calib-tokens", "128", "--seq-len", "32",
+              "--output", str(tmp_path / f"p{quiet}.json")] + (["--quiet"] if quiet else []))
+        err = capsys.readouterr().err
+        assert ("profile:" in err) != quiet, err
 
 
 @pytest.mark.parametrize("budget,message", [("0", "must be positive"), ("-1", "must be positive"),

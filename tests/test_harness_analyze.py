@@ -162,8 +162,8 @@ def test_eval_json_carries_item_scores_that_compare_pairs_up(tiny_folder, tmp_pa
     runs = {"full": api.evaluate_model(tiny_folder, max_tokens=256, tasks=["allocmoe_cloze"],
                                        task_options={"limit": 10})}
     (tmp_path / "full.json").write_text(json.dumps(runs["full"]))
-    main(["eval", "--model", str(tiny_folder), "--plan", str(plan_path), "--max-tokens", "256",
-          "--tasks", "allocmoe_cloze", "--limit", "10", "--output-json", str(tmp_path / "cut.json")])
+    main(["eval", "--model", str(tiny_folder), "--plan", str(plan_path), "--eval-tokens", "256",
+          "--tasks", "allocmoe_cloze", "--limit", "10", "--output", str(tmp_path / "cut.json")])
     runs["cut"] = json.loads((tmp_path / "cut.json").read_text())
     printed = json.loads(capsys.readouterr().out)      # the screen gets the summary, the file the items too
     assert "task_items" not in printed and printed["tasks"] == runs["cut"]["tasks"]
@@ -172,7 +172,7 @@ def test_eval_json_carries_item_scores_that_compare_pairs_up(tiny_folder, tmp_pa
     assert len(items["acc"]) == 10 and set(items["acc"]) <= {0.0, 1.0}
     # the per-item scores average to lm-eval's own aggregate
     assert sum(items["acc"]) / 10 == pytest.approx(runs["full"]["tasks"]["allocmoe_cloze"]["acc"])
-    main(["compare", str(tmp_path / "full.json"), str(tmp_path / "cut.json"), "--output-json",
+    main(["compare", str(tmp_path / "full.json"), str(tmp_path / "cut.json"), "--output",
           str(tmp_path / "cmp.json")])
     row = json.loads((tmp_path / "cmp.json").read_text())["tasks"]["allocmoe_cloze"]
     expected = runs["full"]["tasks"]["allocmoe_cloze"]["acc"] - runs["cut"]["tasks"]["allocmoe_cloze"]["acc"]

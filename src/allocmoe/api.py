@@ -16,11 +16,11 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
                    text: str | os.PathLike | None = None, seq_len: int | None = None,
                    max_tokens: int | None = None, batch_size: int = 4,
                    trust_remote_code: bool = False, tasks: list[str] | None = None,
-                   task_options: dict[str, Any] | None = None) -> dict[str, Any]:
+                   task_options: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
     """Perplexity of a model folder (default: built-in) with an optional plan, on a text file
     (default: the built-in test split); with `tasks`, also lm-eval task metrics (the [eval] extra)
     and each item's scores, which `allocmoe compare` pairs up. Returns the JSON-ready result."""
-    config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size)
+    config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, progress=progress)
     body, text_name = read_text(text, "test")
     net, tok = load_model(model, trust_remote_code=trust_remote_code)
     if plan is not None and not isinstance(plan, Plan):

@@ -3,7 +3,7 @@
 Two plans of one model scored on the same items agree on most of them, so the difference of their
 accuracies is known far more precisely than either accuracy: its standard error is that of the
 per-item differences, stdev(a_i - b_i) / sqrt(n), not sqrt(se_a^2 + se_b^2). Reads the per-item
-scores that `allocmoe eval --tasks ... --output-json` writes under "task_items".
+scores that `allocmoe eval --tasks ... --output` writes under "task_items".
 
 Across tasks, the items are also pooled into one paired difference, each item weighing the same
 (lm-eval's size-weighted group mean): more items, so a smaller error than any one task's.
@@ -36,7 +36,7 @@ def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str
     for result, name in zip((a, b), names):
         if not isinstance(result, dict) or not isinstance(result.get("task_items"), dict):
             raise AllocMoeError(f"{name} has no per-item task scores: make it with "
-                                "`allocmoe eval --tasks ... --output-json FILE`")
+                                "`allocmoe eval --tasks ... --output FILE`")
         items.append(result["task_items"])
     tasks = sorted(set(items[0]) & set(items[1]))
     if not tasks:

@@ -1,0 +1,72 @@
+"""`allocmoe profile` and `allocmoe allocate`: making a plan (slow profile, fast pure allocation)."""
+
+from __future__ import annotations
+
+import sys
+
+from .common import add_calib_tokens, add_model_flags, add_quiet, load
+
+
+def add_parsers(sub) -> None:
+    from ..methods import METHODS
+
+    p = sub.add_parser("profile", help="allocation-isolating sensitivity profile (slow, resumable)")
+    add_model_flags(p)
+    p.add_argument("--calib-text", default=None, help="UTF-8 calibration text (default: built-in calibration split)")
+    add_calib_tokens(p, 8192)
+    p.add_argument("--output", required=True, help="profile JSON to write")
+    add_quiet(p)
+    p.set_defaults(func=cmd_profile)
+
+    p = sub.add_parser("allocate", help="turn a budget (and a profile) into a plan")
+    add_model_flags(p)
+    p.add_argument("--profile", default=None, help="profile JSON (needed by alloc-moe, alloc-l, auto)")
+    p.add_argument("--calib-text", default=None, help="calibration text for top-p, naee, auto, profiling")
+    p.add_argument("--budget", required=True, help="fraction of full (0.5, 1/2, 50%%) or count (78)")
+    p.add_argument("--method", default="auto", choices=METHODS, help="allocation method (default: auto)")
+    p.add_argument("--k-base", type=int, default=1, help="Alloc-T: experts every token keeps (default 1)")
+    p.add_argument("--pool", default="batch", choices=("batch", "sequence"), help="Alloc-T pool extent")
+    add_calib_tokens(p, 8192)
+    p.add_argument("--output", required=True, help="plan JSON to write")
+    add_quiet(p)
+    p.set_defaults(func=cmd_allocate)
+
+
+def cmd_profile(args) -> None:
+    from ..profile import ProfileConfig, profile_sensitivity
+    from ..texts import read_text
+
+    text, name = read_text(args.calib_text, "calibration")
+    config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
+                           progress=not args.quiet)
+    model, tok = load(args)
+    profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
+    print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
+
+
+def cmd_allocate(args) -> None:
+    from ..methods import MODEL_METHODS, PROFILE_METHODS, AllocateConfig, allocate
+    from ..profile import ProfileConfig, load_profile, profile_sensitivity
+    from ..texts import read_text
+
+    config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
+                            seq_len=args.seq_len, batch_size=args.batch_size)
+    model = tok = None
+    needs_model = args.method in MODEL_METHODS or args.profile is None
+    if needs_model:
+        model, tok = load(args)
+    profile = load_profile(args.profile, model) if args.profile else None
+    text = None
+    if args.method in MODEL_METHODS + PROFILE_METHODS:
+        text, name = read_text(args.calib_text, "calibration")
+        if profile is None and args.method in PROFILE_METHODS + ("auto",):
+            print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
+            profile = profile_sensitivity(model, tok, text, ProfileConfig(
+                seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
+                progress=not args.quiet), calib_name=name)
+    plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok, calib_text=text,
+                    config=config)
+    plan.save(args.output)
+    ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
+    print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",
+          file=sys.stderr)

@@ -1,0 +1,94 @@
+"""What every command shares: the parser class, flag groups, deprecated aliases, JSON output.
+
+One vocabulary across commands, as in vLLM and lm-eval: `--output` is what a command writes,
+`--calib-tokens` the calibration tokens, `--eval-tokens` the scored tokens, `--quiet` turns progress
+bars off. Old spellings stay as aliases that warn once; prefixes are never expanded (`--out` is
+refused, not read as `--output`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from ..texts import OFFLINE_TASKS
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse without prefix matching: a typo must not silently become another flag.
+    Subparsers inherit the class, so every command gets the same rule."""
+
+    def __init__(self, *args, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+
+class Deprecated(argparse.Action):
+    """An old flag spelling: stores into the new flag's dest and prints one warning line."""
+
+    def __init__(self, option_strings, dest, new: str, **kwargs):
+        self.new = new
+        super().__init__(option_strings, dest, **kwargs)
+
+    def __call__(self, parser, namespace, values, option_string=None):
+        print(f"allocmoe: warning: {option_string} is deprecated; use {self.new}", file=sys.stderr)
+        setattr(namespace, self.dest, values)
+
+
+def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
+    p.add_argument(old, dest=dest, action=Deprecated, new=new, type=type, default=argparse.SUPPRESS,
+                   help=argparse.SUPPRESS)
+
+
+def add_model_flags(p) -> None:
+    p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in model)")
+    p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own Python code")
+    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--seq-len", type=int, default=None, help="window length (default: min(2048, model limit))")
+
+
+def add_task_flags(p) -> None:
+    p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs allocmoe[eval]); offline: "
+                   + ",".join(OFFLINE_TASKS))
+    p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval few-shot examples")
+    p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N examples per task")
+    p.add_argument("--include-path", default=None, help="folder of extra lm-eval task YAMLs")
+
+
+def add_output(p, help: str, old: str | None = None, **kwargs) -> None:
+    """`--output` (what the command writes), with the command's old spelling as a warning alias."""
+    p.add_argument("--output", dest="output", help=help, **kwargs)
+    if old:
+        add_alias(p, old, "--output", "output")
+
+
+def add_calib_tokens(p, default: int, old: str = "--max-tokens") -> None:
+    p.add_argument("--calib-tokens", dest="calib_tokens", type=int, default=default,
+                   help=f"calibration tokens ({default})")
+    add_alias(p, old, "--calib-tokens", "calib_tokens", type=int)
+
+
+def add_eval_tokens(p, default: int | None, help: str) -> None:
+    p.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=default, help=help)
+    add_alias(p, "--max-tokens", "--eval-tokens", "eval_tokens", type=int)
+
+
+def add_quiet(p) -> None:
+    p.add_argument("--quiet", action="store_true", help="no progress bars (they go to stderr)")
+
+
+def load(args):
+    from ..models import load_model
+
+    return load_model(args.model, trust_remote_code=args.trust_remote_code)
+
+
+def emit(obj, path: str | None, shown: dict | None = None) -> None:
+    """Write `obj` to `path` (atomically) if given; print `shown` (default: all of `obj`)."""
+    from ..io_utils import atomic_write_json
+
+    if path:
+        atomic_write_json(path, obj)
+        print(f"wrote {path}", file=sys.stderr)
+    print(json.dumps(obj if shown is None else shown, indent=2))

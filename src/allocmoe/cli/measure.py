@@ -1,0 +1,191 @@
+"""`allocmoe eval`, `sweep`, `compare`, `analyze`, `bench`: measuring a plan's quality and speed."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+from ..errors import AllocMoeError
+from .common import add_calib_tokens, add_eval_tokens, add_model_flags, add_output, add_quiet, add_task_flags, emit, load
+
+
+def add_parsers(sub) -> None:
+    from ..methods import METHODS
+
+    p = sub.add_parser("eval", help="perplexity with or without a plan")
+    add_model_flags(p)
+    p.add_argument("--plan", default=None, help="plan JSON to apply (default: the unmodified model)")
+    p.add_argument("--text", default=None, help="UTF-8 text to score (default: built-in test split)")
+    add_eval_tokens(p, None, "score only the first N tokens (default: all)")
+    add_output(p, "also write the result JSON here", old="--output-json")
+    add_task_flags(p)
+    add_quiet(p)
+    p.set_defaults(func=cmd_eval)
+
+    p = sub.add_parser("sweep", help="budgets x methods table with plots (the main job)")
+    add_model_flags(p)
+    p.add_argument("--profile", default=None, help="reuse this profile instead of profiling")
+    p.add_argument("--calib-text", default=None, help="calibration text (default: built-in calibration split)")
+    p.add_argument("--text", default=None, help="evaluation text (default: built-in test split)")
+    p.add_argument("--budgets", default="1/3,1/2,2/3,5/6", help="comma-separated budgets (default 1/3,1/2,2/3,5/6)")
+    p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (default: all)")
+    p.add_argument("--k-base", type=int, default=1, help="Alloc-T k_base (default 1)")
+    add_eval_tokens(p, 16384, "evaluation tokens per row (16384)")
+    add_calib_tokens(p, 8192, old="--calib-max-tokens")
+    add_output(p, "folder for results (default allocmoe-sweep)", old="--output-dir", default="allocmoe-sweep")
+    add_task_flags(p)
+    add_quiet(p)
+    p.set_defaults(func=cmd_sweep)
+
+    p = sub.add_parser("compare", help="paired task-accuracy difference of two `eval --tasks` results")
+    p.add_argument("a", help="eval JSON (from `allocmoe eval --tasks ... --output FILE`)")
+    p.add_argument("b", help="eval JSON of the same tasks, e.g. another plan")
+    p.add_argument("--metric", default="acc", choices=("acc", "acc_norm"), help="per-item metric (acc)")
+    add_output(p, "also write the comparison JSON here", old="--output-json")
+    p.set_defaults(func=cmd_compare)
+
+    p = sub.add_parser("analyze", help="experts vs routing entropy, expert load vs the unmodified model")
+    add_model_flags(p)
+    p.add_argument("--plan", required=True, help="plan JSON to analyse")
+    p.add_argument("--text", default=None, help="UTF-8 text (default: built-in test split)")
+    add_eval_tokens(p, 16384, "tokens to route (16384)")
+    add_output(p, "folder for analysis.json and analysis.png (default allocmoe-analysis)", old="--output-dir",
+               default="allocmoe-analysis")
+    p.set_defaults(func=cmd_analyze)
+
+    p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
+    add_model_flags(p)
+    p.set_defaults(batch_size=1)
+    p.add_argument("--plan", default=None, help="plan JSON to time")
+    p.add_argument("--budget", default=None, help="or make a plan: budget (fraction or count)")
+    p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t, ascending, descending")
+    p.add_argument("--k-base", type=int, default=1, help="Alloc-T k_base (default 1)")
+    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--output-len", type=int, default=32, help="decode steps timed (default 32)")
+    p.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
+    p.add_argument("--num-layers", type=int, default=None, help="synthetic models: decoder layers to build")
+    p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
+                   help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    add_output(p, "also write the result JSON here", old="--output-json")
+    add_quiet(p)
+    p.set_defaults(func=cmd_bench)
+
+
+def cmd_eval(args) -> None:
+    from ..api import evaluate_model
+
+    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
+                            max_tokens=args.eval_tokens, batch_size=args.batch_size,
+                            trust_remote_code=args.trust_remote_code, tasks=tasks,
+                            task_options={"num_fewshot": args.num_fewshot, "limit": args.limit,
+                                          "include_path": args.include_path}, progress=not args.quiet)
+    # per-item scores (thousands of 0/1 values) go to the file, for `allocmoe compare`; not to the screen
+    shown = {key: value for key, value in result.items() if key != "task_items"}
+    if tasks and not args.output:
+        print("per-item scores, which `allocmoe compare` pairs up, are kept only with --output", file=sys.stderr)
+    emit(result, args.output, shown)
+
+
+def cmd_sweep(args) -> None:
+    from ..profile import ProfileConfig, load_profile
+    from ..report import markdown_table
+    from ..sweep import SweepConfig, sweep
+    from ..texts import read_text
+
+    config = SweepConfig(
+        budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
+        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        eval_max_tokens=args.eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
+        profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet),
+        tasks=tuple(t.strip() for t in (args.tasks or "").split(",") if t.strip()),
+        task_limit=args.limit, num_fewshot=args.num_fewshot, include_path=args.include_path,
+        progress=not args.quiet)
+    calib, calib_name = read_text(args.calib_text, "calibration")
+    text, text_name = read_text(args.text, "test")
+    model, tok = load(args)
+    profile = load_profile(args.profile, model) if args.profile else None
+    results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
+                    text_names=(calib_name, text_name))
+    print(markdown_table(results))
+    print(f"wrote {args.output}/results.json, results.md, quality_vs_activations.png, allocations.png",
+          file=sys.stderr)
+
+
+def cmd_compare(args) -> None:
+    from ..evaluate.paired import compare_results, markdown
+    from ..io_utils import atomic_write_json, read_json
+
+    a, b = read_json(args.a, "eval result"), read_json(args.b, "eval result")
+    comparison = compare_results(a, b, args.metric, (args.a, args.b))
+    print(markdown(comparison, (args.a, args.b), args.metric))
+    skipped = sorted(set(a.get("task_items", {})) - set(comparison["tasks"]))
+    if skipped:
+        print(f"not compared (no per-item {args.metric}, or only in {args.a}): {', '.join(skipped)}", file=sys.stderr)
+    if args.output:
+        atomic_write_json(args.output, {"a": args.a, "b": args.b, "metric": args.metric, **comparison})
+        print(f"wrote {args.output}", file=sys.stderr)
+
+
+def cmd_analyze(args) -> None:
+    from ..analyze import analyze_plan, write_analysis
+    from ..evaluate.perplexity import default_seq_len, tokenize_windows
+    from ..plan import Plan
+    from ..texts import read_text
+
+    text, _ = read_text(args.text, "test")
+    model, tok = load(args)
+    plan = Plan.load(args.plan, model)
+    windows = tokenize_windows(tok, text, args.seq_len or default_seq_len(model), args.eval_tokens)
+    result = analyze_plan(model, tok, plan, windows, args.batch_size)
+    write_analysis(result, args.output)
+    print(json.dumps({k: v for k, v in result.items() if k != "per_layer"}, indent=2))
+    print(f"wrote {args.output}/analysis.json, analysis.png", file=sys.stderr)
+
+
+def cmd_bench(args) -> None:
+    from ..bench import BenchConfig, benchmark, free_memory_bytes
+    from ..methods import allocate
+    from ..models import load_model
+    from ..plan import Plan
+    from ..synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
+
+    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
+                         repeats=args.repeats, warmup=args.warmup)
+    if (args.plan is None) == (args.budget is None):
+        raise AllocMoeError("give either --plan PLAN.json or --budget B (with --method)")
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise AllocMoeError("--device cuda asked for, but CUDA is not available here")
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    torch.set_grad_enabled(False)
+    synthetic = str(args.model or "").startswith(PREFIX)
+    if synthetic:
+        cfg = synthetic_config(args.model, args.num_layers)
+        need = parameter_bytes(cfg, dtype)
+        if device == "cpu":
+            free = free_memory_bytes(torch.device("cpu"))
+            if need > 0.8 * free:
+                raise AllocMoeError(f"{args.model} with {cfg.num_hidden_layers} layers needs {need / 2**30:.1f} GiB "
+                                    f"of weights, {free / 2**30:.1f} GiB is free; pass a smaller --num-layers")
+        model = build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
+    else:
+        model, _ = load_model(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
+    if args.plan:
+        plan = Plan.load(args.plan, model)
+    else:
+        if args.method not in ("uniform", "alloc-t", "ascending", "descending"):
+            raise AllocMoeError(f"--budget with --method {args.method!r} needs a profile or calibration: make a "
+                                "plan with `allocmoe allocate` and pass --plan (speed depends on the budget, "
+                                "not on which layers get it: alloc-t times the same work as alloc-moe)")
+        plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
+    result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
+    emit(result, args.output)
+    print(f"prefill {result['prefill_speedup']:.3f}x (ideal {result['prefill_ideal_speedup']:.3f}x), "
+          f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "
+          f"at {result['measured_activations_per_token']:.2f} of "
+          f"{result['model']['num_moe_layers'] * result['model']['k_orig']} activations/token", file=sys.stderr)
