@@ -142,3 +142,37 @@ def test_errors_reach_the_shell_as_one_line_and_exit_2(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().splitlines()[-1].startswith("allocmoe: error: model folder not found")
     assert "Traceback" not in proc.stderr
+
+
+def test_an_unexpected_failure_is_one_line_and_exit_1_and_debug_shows_the_traceback(tmp_path, monkeypatch, capsys):
+    from allocmoe.cli import measure
+
+    def broken(args):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(measure, "cmd_compare", broken)
+    argv = ["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]
+    with pytest.raises(SystemExit) as exc:
+        main(argv)
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 1 and len(err) == 1
+    assert err[0].startswith("allocmoe: error: unexpected failure (RuntimeError: boom)") and "--debug" in err[0]
+    with pytest.raises(RuntimeError, match="boom"):
+        main(argv + ["--debug"])
+
+
+def test_sigterm_unwinds_like_ctrl_c(tmp_path):
+    """`kill` on a running command: exit 130 and the interrupted line, not a silent death."""
+    import os
+    import signal
+    import time
+
+    script = ("import time, allocmoe.cli as c, allocmoe.cli.measure as m\n"
+              "m.cmd_compare = lambda args: (print('ready', flush=True), time.sleep(60))\n"
+              "c.main(['compare', 'a', 'b'])\n")
+    proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    assert proc.stdout.readline().strip() == "ready"
+    os.kill(proc.pid, signal.SIGTERM)
+    start = time.monotonic()
+    _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 130 and "allocmoe: interrupted" in err and time.monotonic() - start < 30

@@ -9,13 +9,17 @@
     allocmoe serve    [--model M] [--plan NAME=P ...] [--profile P] [--host 127.0.0.1] [--port 8000] ...
     allocmoe export   --format vllm|vllm-global|sglang|llama.cpp [--plan P] [--request-plan NAME=P ...] [--model M]
 
-Bad input prints one line, `allocmoe: error: ...`, and exits 2.
+Exit codes: 0 success; 2 bad input (one line, `allocmoe: error: <what>; <how to fix it>`); 1 an
+unexpected failure (one line; `--debug`, anywhere on the line, shows the traceback); 130 interrupted
+(Ctrl-C or SIGTERM; a profile resumes from its .partial.json when rerun).
 """
 
 from __future__ import annotations
 
 import os
+import signal
 import sys
+import threading
 
 from ..errors import AllocMoeError
 from .common import Parser
@@ -38,8 +42,11 @@ def build_parser() -> Parser:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = build_parser()
-    args = parser.parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in argv                # accepted anywhere, so it can be added to any failing line
+    argv = [a for a in argv if a != "--debug"]
+    args = build_parser().parse_args(argv)
+    previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
         args.func(args)
     except AllocMoeError as exc:
@@ -54,4 +61,17 @@ def main(argv: list[str] | None = None) -> None:
     except BrokenPipeError:        # output piped into `head` and the like: stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
         sys.exit(1)
+    except Exception as exc:       # a bug, or a case not checked yet: one line, the traceback on request
+        if debug:
+            raise
+        print(f"allocmoe: error: unexpected failure ({type(exc).__name__}: {exc}); rerun with --debug for the "
+              "traceback and report it", file=sys.stderr)
+        sys.exit(1)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
 
+
+def _interrupt(signum, frame):
+    """SIGTERM (`kill`) unwinds like Ctrl-C, so every cleanup path runs and partial files go."""
+    raise KeyboardInterrupt
