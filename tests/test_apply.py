@@ -221,6 +221,22 @@ def test_applying_twice_is_refused():
 
 
 @torch.no_grad()
+def test_a_handle_that_has_exited_cannot_be_entered_again(ids):
+    model = build_tiny("olmoe")
+    plan = static_plan(model, [1, 1, 1])
+    full = model(ids).logits
+    with apply_plan(model, plan) as handle:
+        cut = model(ids).logits
+    assert not torch.equal(cut, full) and handle.activations_per_token() == 3.0   # counters stay readable
+    with pytest.raises(AllocMoeError, match="was removed"):
+        with handle:
+            pass
+    with pytest.raises(AllocMoeError, match="was removed"):
+        handle.add_plan(plan)
+    assert torch.equal(model(ids).logits, full)                                 # still the unmodified model
+
+
+@torch.no_grad()
 def test_alloc_t_on_a_single_token_is_static_top_round_k():
     model = build_tiny("deepseek_v2")
     ids = torch.randint(0, 96, (1, 1))

@@ -182,6 +182,9 @@ class PlanHandle:
         return len(self.plans) - 1
 
     def __enter__(self) -> "PlanHandle":
+        if not self.active:          # entering again would silently run the unmodified model
+            raise AllocMoeError("this plan handle was removed (its `with` block ended); apply the plan again: "
+                                "`with apply_plan(model, plan) as handle:`")
         return self
 
     def __exit__(self, *exc) -> None:
