@@ -108,7 +108,7 @@ def test_bench_cli_bad_inputs(capsys, tmp_path):
 
     if free_memory_bytes(torch.device("cpu")) > 60 * 2**30:
         pytest.skip("the too-big cases assume a machine of at most 60 GiB free memory (the CI size is 24 GiB)")
-    cases = [(["--input-len", "0"], "input-len must be"), (["--output-len", "-3"], "output-len must be"),
+    cases = [(["--input-len", "0"], "--input-len: must be above 0"), (["--output-len", "-3"], "--output-len: must be above 0"),
              (["--model", "synthetic:gpt-17"], "unknown synthetic shape"),
              (["--model", "synthetic:deepseek-v2-lite", "--num-layers", "27"], "GiB of weights"),
              (["--model", "synthetic:deepseek-v2-lite", "--num-layers", "2", "--batch-size", "100000",

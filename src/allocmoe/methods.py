@@ -27,7 +27,7 @@ from .apply import apply_plan, static_plan
 from .budget import Budget
 from .config import checked_config
 from .errors import AllocMoeError
-from .evaluate.perplexity import default_seq_len, evaluate_perplexity, tokenize_windows
+from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
 from .plan import Plan, check_fingerprint, model_fingerprint
 from .policies import AllocT, NaeeSkip, StaticTopK, TopP
 from .solver import solve_allocation
@@ -138,7 +138,7 @@ class _CandidateRecorder:
 def _calibration_windows(model, tokenizer, calib_text: str | None, config: AllocateConfig) -> torch.Tensor:
     if calib_text is None or tokenizer is None:
         raise AllocMoeError("this method needs calibration text and a tokenizer")
-    return tokenize_windows(tokenizer, calib_text, config.seq_len or default_seq_len(model), config.calib_max_tokens)
+    return tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens)
 
 
 def _candidate_tables(model, windows, config: AllocateConfig) -> dict[int, torch.Tensor]:

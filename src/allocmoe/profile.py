@@ -29,7 +29,7 @@ from tqdm import tqdm
 from .apply import apply_plan, static_plan
 from .config import checked_config
 from .errors import AllocMoeError
-from .evaluate.perplexity import default_seq_len, evaluate_perplexity, tokenize_windows
+from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
 from .io_utils import atomic_write_json, read_json
 from .plan import check_fingerprint, model_fingerprint
 
@@ -71,7 +71,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     config = checked_config(ProfileConfig, config)
     fingerprint = model_fingerprint(model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
-    seq_len = config.seq_len or default_seq_len(model)
+    seq_len = window_len(model, config.seq_len)
     windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens)
     calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
                    "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),

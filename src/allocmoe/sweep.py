@@ -22,7 +22,7 @@ from .apply import apply_plan
 from .budget import Budget
 from .config import checked_config
 from .errors import AllocMoeError
-from .evaluate.perplexity import default_seq_len, evaluate_perplexity, tokenize_windows
+from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
 from .io_utils import atomic_write_json
 from .methods import METHODS, AllocateConfig, allocate
 from .plan import model_fingerprint
@@ -73,7 +73,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         from .evaluate.harness import check_tasks
 
         check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
-    seq_len = config.seq_len or default_seq_len(model)
+    seq_len = window_len(model, config.seq_len)
     eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
     needs_profile = any(m in ("alloc-moe", "alloc-l", "auto") for m in config.methods)
     if profile is None and needs_profile:

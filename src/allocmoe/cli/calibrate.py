@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_calib_tokens, add_model_flags, add_quiet, load
+from .common import add_calib_tokens, add_model_flags, add_quiet, check_output_file, load, positive_int
 
 
 def add_parsers(sub) -> None:
@@ -24,7 +24,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--calib-text", default=None, help="calibration text for top-p, naee, auto, profiling")
     p.add_argument("--budget", required=True, help="fraction of full (0.5, 1/2, 50%%) or count (78)")
     p.add_argument("--method", default="auto", choices=METHODS, help="allocation method (default: auto)")
-    p.add_argument("--k-base", type=int, default=1, help="Alloc-T: experts every token keeps (default 1)")
+    p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T: experts every token keeps (default 1)")
     p.add_argument("--pool", default="batch", choices=("batch", "sequence"), help="Alloc-T pool extent")
     add_calib_tokens(p, 8192)
     p.add_argument("--output", required=True, help="plan JSON to write")
@@ -36,6 +36,7 @@ def cmd_profile(args) -> None:
     from ..profile import ProfileConfig, profile_sensitivity
     from ..texts import read_text
 
+    check_output_file(args.output)
     text, name = read_text(args.calib_text, "calibration")
     config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
                            progress=not args.quiet)
@@ -49,6 +50,7 @@ def cmd_allocate(args) -> None:
     from ..profile import ProfileConfig, load_profile, profile_sensitivity
     from ..texts import read_text
 
+    check_output_file(args.output)
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
                             seq_len=args.seq_len, batch_size=args.batch_size)
     model = tok = None

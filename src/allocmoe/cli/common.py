@@ -11,7 +11,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from pathlib import Path
 
+from ..errors import AllocMoeError
 from ..texts import OFFLINE_TASKS
 
 
@@ -36,6 +38,55 @@ class Deprecated(argparse.Action):
         setattr(namespace, self.dest, values)
 
 
+def positive_int(text: str) -> int:
+    return _whole(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    return _whole(text, 0)
+
+
+def _whole(text: str, least: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be {'at least 0' if least == 0 else 'above 0'}, got {value}")
+    return value
+
+
+def check_output_file(path: str | None, flag: str = "--output") -> None:
+    """Refuse, before any work, an output file that could not be written at the end."""
+    if not path:
+        return
+    target = Path(path)
+    if target.is_dir():
+        raise AllocMoeError(f"{flag} {path} is a folder; give a file path")
+    _check_parent(target.parent, flag, path)
+
+
+def check_output_dir(path: str | None, flag: str = "--output") -> None:
+    """Refuse, before any work, an output folder that is a file or lies under one."""
+    if not path:
+        return
+    target = Path(path)
+    if target.exists() and not target.is_dir():
+        raise AllocMoeError(f"{flag} {path} is a file; give a folder path")
+    for parent in target.parents:
+        if parent.exists():
+            if not parent.is_dir():
+                raise AllocMoeError(f"{flag} {path} lies under {parent}, which is a file; choose another path")
+            break
+
+
+def _check_parent(parent: Path, flag: str, path: str) -> None:
+    if parent.exists() and not parent.is_dir():
+        raise AllocMoeError(f"{flag} {path} lies under {parent}, which is a file; choose another path")
+    if not parent.exists():
+        raise AllocMoeError(f"{flag} {path}: the folder {parent} does not exist; create it or choose another path")
+
+
 def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
     p.add_argument(old, dest=dest, action=Deprecated, new=new, type=type, default=argparse.SUPPRESS,
                    help=argparse.SUPPRESS)
@@ -44,15 +95,15 @@ def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
 def add_model_flags(p) -> None:
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in model)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own Python code")
-    p.add_argument("--batch-size", type=int, default=4, help="windows per forward pass (default 4)")
-    p.add_argument("--seq-len", type=int, default=None, help="window length (default: min(2048, model limit))")
+    p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: min(2048, model limit))")
 
 
 def add_task_flags(p) -> None:
     p.add_argument("--tasks", default=None, help="comma-separated lm-eval tasks (needs allocmoe[eval]); offline: "
                    + ",".join(OFFLINE_TASKS))
-    p.add_argument("--num-fewshot", type=int, default=None, help="lm-eval few-shot examples")
-    p.add_argument("--limit", type=int, default=None, help="lm-eval: at most N examples per task")
+    p.add_argument("--num-fewshot", type=non_negative_int, default=None, help="lm-eval few-shot examples")
+    p.add_argument("--limit", type=positive_int, default=None, help="lm-eval: at most N examples per task")
     p.add_argument("--include-path", default=None, help="folder of extra lm-eval task YAMLs")
 
 
@@ -64,14 +115,14 @@ def add_output(p, help: str, old: str | None = None, **kwargs) -> None:
 
 
 def add_calib_tokens(p, default: int, old: str = "--max-tokens") -> None:
-    p.add_argument("--calib-tokens", dest="calib_tokens", type=int, default=default,
+    p.add_argument("--calib-tokens", dest="calib_tokens", type=positive_int, default=default,
                    help=f"calibration tokens ({default})")
-    add_alias(p, old, "--calib-tokens", "calib_tokens", type=int)
+    add_alias(p, old, "--calib-tokens", "calib_tokens", type=positive_int)
 
 
 def add_eval_tokens(p, default: int | None, help: str) -> None:
-    p.add_argument("--eval-tokens", dest="eval_tokens", type=int, default=default, help=help)
-    add_alias(p, "--max-tokens", "--eval-tokens", "eval_tokens", type=int)
+    p.add_argument("--eval-tokens", dest="eval_tokens", type=positive_int, default=default, help=help)
+    add_alias(p, "--max-tokens", "--eval-tokens", "eval_tokens", type=positive_int)
 
 
 def add_quiet(p) -> None:
@@ -79,9 +130,14 @@ def add_quiet(p) -> None:
 
 
 def load(args):
+    """Load `--model`, and refuse a `--seq-len` past the model's context before any forward pass."""
+    from ..evaluate.perplexity import window_len
     from ..models import load_model
 
-    return load_model(args.model, trust_remote_code=args.trust_remote_code)
+    model, tok = load_model(args.model, trust_remote_code=args.trust_remote_code)
+    if getattr(args, "seq_len", None):
+        window_len(model, args.seq_len)
+    return model, tok
 
 
 def emit(obj, path: str | None, shown: dict | None = None) -> None:

@@ -8,7 +8,8 @@ import sys
 import torch
 
 from ..errors import AllocMoeError
-from .common import add_calib_tokens, add_eval_tokens, add_model_flags, add_output, add_quiet, add_task_flags, emit, load
+from .common import (add_calib_tokens, add_eval_tokens, add_model_flags, add_output, add_quiet, add_task_flags,
+                     check_output_dir, check_output_file, emit, load, non_negative_int, positive_int)
 
 
 def add_parsers(sub) -> None:
@@ -31,7 +32,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--text", default=None, help="evaluation text (default: built-in test split)")
     p.add_argument("--budgets", default="1/3,1/2,2/3,5/6", help="comma-separated budgets (default 1/3,1/2,2/3,5/6)")
     p.add_argument("--methods", default=",".join(METHODS), help="comma-separated methods (default: all)")
-    p.add_argument("--k-base", type=int, default=1, help="Alloc-T k_base (default 1)")
+    p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T k_base (default 1)")
     add_eval_tokens(p, 16384, "evaluation tokens per row (16384)")
     add_calib_tokens(p, 8192, old="--calib-max-tokens")
     add_output(p, "folder for results (default allocmoe-sweep)", old="--output-dir", default="allocmoe-sweep")
@@ -61,12 +62,12 @@ def add_parsers(sub) -> None:
     p.add_argument("--plan", default=None, help="plan JSON to time")
     p.add_argument("--budget", default=None, help="or make a plan: budget (fraction or count)")
     p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t, ascending, descending")
-    p.add_argument("--k-base", type=int, default=1, help="Alloc-T k_base (default 1)")
-    p.add_argument("--input-len", type=int, default=256, help="prompt tokens (default 256)")
-    p.add_argument("--output-len", type=int, default=32, help="decode steps timed (default 32)")
-    p.add_argument("--repeats", type=int, default=5, help="timed rounds (default 5)")
-    p.add_argument("--warmup", type=int, default=1, help="untimed rounds (default 1)")
-    p.add_argument("--num-layers", type=int, default=None, help="synthetic models: decoder layers to build")
+    p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T k_base (default 1)")
+    p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
+    p.add_argument("--output-len", type=positive_int, default=32, help="decode steps timed (default 32)")
+    p.add_argument("--repeats", type=positive_int, default=5, help="timed rounds (default 5)")
+    p.add_argument("--warmup", type=non_negative_int, default=1, help="untimed rounds (default 1)")
+    p.add_argument("--num-layers", type=positive_int, default=None, help="synthetic models: decoder layers to build")
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
@@ -78,6 +79,7 @@ def add_parsers(sub) -> None:
 def cmd_eval(args) -> None:
     from ..api import evaluate_model
 
+    check_output_file(args.output)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
     result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
                             max_tokens=args.eval_tokens, batch_size=args.batch_size,
@@ -97,6 +99,7 @@ def cmd_sweep(args) -> None:
     from ..sweep import SweepConfig, sweep
     from ..texts import read_text
 
+    check_output_dir(args.output)
     config = SweepConfig(
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
@@ -120,6 +123,7 @@ def cmd_compare(args) -> None:
     from ..evaluate.paired import compare_results, markdown
     from ..io_utils import atomic_write_json, read_json
 
+    check_output_file(args.output)
     a, b = read_json(args.a, "eval result"), read_json(args.b, "eval result")
     comparison = compare_results(a, b, args.metric, (args.a, args.b))
     print(markdown(comparison, (args.a, args.b), args.metric))
@@ -133,14 +137,15 @@ def cmd_compare(args) -> None:
 
 def cmd_analyze(args) -> None:
     from ..analyze import analyze_plan, write_analysis
-    from ..evaluate.perplexity import default_seq_len, tokenize_windows
+    from ..evaluate.perplexity import window_len, tokenize_windows
     from ..plan import Plan
     from ..texts import read_text
 
+    check_output_dir(args.output)
     text, _ = read_text(args.text, "test")
     model, tok = load(args)
     plan = Plan.load(args.plan, model)
-    windows = tokenize_windows(tok, text, args.seq_len or default_seq_len(model), args.eval_tokens)
+    windows = tokenize_windows(tok, text, window_len(model, args.seq_len), args.eval_tokens)
     result = analyze_plan(model, tok, plan, windows, args.batch_size)
     write_analysis(result, args.output)
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer"}, indent=2))
@@ -154,6 +159,7 @@ def cmd_bench(args) -> None:
     from ..plan import Plan
     from ..synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
 
+    check_output_file(args.output)
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                          repeats=args.repeats, warmup=args.warmup)
     if (args.plan is None) == (args.budget is None):

@@ -50,6 +50,17 @@ def default_seq_len(model) -> int:
     return int(min(2048, limit))
 
 
+def window_len(model, seq_len: int | None) -> int:
+    """The window length to use: `seq_len`, refused past the model's context, or the default."""
+    if seq_len is None:
+        return default_seq_len(model)
+    limit = getattr(model.config, "max_position_embeddings", None)
+    if seq_len < 1 or (limit and seq_len > limit):
+        raise AllocMoeError(f"seq_len (--seq-len) {seq_len} is outside this model's context of 1..{limit} "
+                            f"positions; give {limit} or less")
+    return int(seq_len)
+
+
 def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
     """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window)."""
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
@@ -69,7 +80,7 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
     """Perplexity of `model` (with whatever plan is applied to it) on `text`.
     Pass pre-cut `windows` [N, S] to skip tokenisation when scoring one text many times."""
     config = checked_config(PerplexityConfig, config)
-    seq_len = config.seq_len or default_seq_len(model)
+    seq_len = window_len(model, config.seq_len)
     if windows is None:
         windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens)
     device = next(model.parameters()).device
