@@ -133,7 +133,7 @@ def register() -> None:
 
 def _check_plans_early(state: _State) -> None:
     """Check the plans against the model's config as soon as vLLM reads it (in the API process, before
-    any worker starts), so a wrong plan is one line at start-up rather than a worker's traceback."""
+    any worker starts): a wrong plan stops start-up in vLLM's short config error, not a worker's traceback."""
     from vllm.config.model import ModelConfig
 
     post_init = ModelConfig.__post_init__
