@@ -85,6 +85,14 @@ def test_quiet_turns_the_progress_bar_off(tiny_folder, tmp_path, capsys):
               "--output", str(tmp_path / f"p{quiet}.json")] + (["--quiet"] if quiet else []))
         err = capsys.readouterr().err
         assert ("profile:" in err) != quiet, err
+    from allocmoe import allocate, load_model
+
+    allocate(0.5, "uniform", model=load_model(tiny_folder)[0]).save(tmp_path / "plan.json")
+    for quiet in (False, True):
+        main(["analyze", "--model", str(tiny_folder), "--plan", str(tmp_path / "plan.json"), "--eval-tokens", "128",
+              "--seq-len", "32", "--output", str(tmp_path / f"a{quiet}")] + (["--quiet"] if quiet else []))
+        err = capsys.readouterr().err
+        assert ("perplexity:" in err) != quiet, err
 
 
 @pytest.mark.parametrize("budget,message", [("0", "must be positive"), ("-1", "must be positive"),

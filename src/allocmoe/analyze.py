@@ -85,7 +85,7 @@ class _Collector:
         return hook
 
 
-def _collect(model, tokenizer, plan: Plan, windows, batch_size: int) -> _Collector:
+def _collect(model, tokenizer, plan: Plan, windows, batch_size: int, progress: bool = True) -> _Collector:
     adapter = adapter_for_model(model)
     collector = _Collector(adapter.num_experts())
     with apply_plan(model, plan) as handle:
@@ -93,7 +93,7 @@ def _collect(model, tokenizer, plan: Plan, windows, batch_size: int) -> _Collect
         hooks = [layer.router.register_forward_hook(collector.router_hook(layer.index))
                  for layer in adapter.moe_layers(model)]
         try:
-            evaluate_perplexity(model, tokenizer, "", {"batch_size": batch_size, "progress": False}, windows=windows)
+            evaluate_perplexity(model, tokenizer, "", {"batch_size": batch_size, "progress": progress}, windows=windows)
         finally:
             for h in hooks:
                 h.remove()
@@ -101,11 +101,14 @@ def _collect(model, tokenizer, plan: Plan, windows, batch_size: int) -> _Collect
 
 
 @torch.no_grad()
-def analyze_plan(model, tokenizer, plan: Plan, windows: torch.Tensor, batch_size: int = 4) -> dict[str, Any]:
+def analyze_plan(model, tokenizer, plan: Plan, windows: torch.Tensor, batch_size: int = 4,
+                 progress: bool = True) -> dict[str, Any]:
+    """Two passes over `windows` (the full model, then the plan), each with a progress bar unless
+    `progress` is False."""
     fingerprint = model_fingerprint(model)
     full_plan = static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])
-    base = _collect(model, tokenizer, full_plan, windows, batch_size)
-    cut = _collect(model, tokenizer, plan, windows, batch_size)
+    base = _collect(model, tokenizer, full_plan, windows, batch_size, progress)
+    cut = _collect(model, tokenizer, plan, windows, batch_size, progress)
     per_layer, all_counts, all_entropy = {}, [], []
     for index in fingerprint["moe_layers"]:
         counts = torch.cat(cut.counts[index]).double()

@@ -54,6 +54,7 @@ def add_parsers(sub) -> None:
     add_eval_tokens(p, 16384, "tokens to route (16384)")
     add_output(p, "folder for analysis.json and analysis.png (default allocmoe-analysis)", old="--output-dir",
                default="allocmoe-analysis")
+    add_quiet(p)
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
@@ -146,7 +147,7 @@ def cmd_analyze(args) -> None:
     model, tok = load(args)
     plan = Plan.load(args.plan, model)
     windows = tokenize_windows(tok, text, window_len(model, args.seq_len), args.eval_tokens)
-    result = analyze_plan(model, tok, plan, windows, args.batch_size)
+    result = analyze_plan(model, tok, plan, windows, args.batch_size, progress=not args.quiet)
     write_analysis(result, args.output)
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer"}, indent=2))
     print(f"wrote {args.output}/analysis.json, analysis.png", file=sys.stderr)
