@@ -65,6 +65,10 @@ class Plan:
     def k_per_layer(self) -> dict[int, float | None]:
         return {index: getattr(policy, "k", None) for index, policy in self.layers.items()}
 
+    def k_text(self) -> str:
+        """`layer:k` pairs in layer order, `?` where a policy has no set k: "0:1 1:2"."""
+        return " ".join(f"{i}:{k:g}" if k is not None else f"{i}:?" for i, k in sorted(self.k_per_layer().items()))
+
     def to_dict(self) -> dict[str, Any]:
         from . import __version__
 

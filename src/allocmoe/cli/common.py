@@ -63,7 +63,10 @@ def check_output_file(path: str | None, flag: str = "--output") -> None:
     target = Path(path)
     if target.is_dir():
         raise AllocMoeError(f"{flag} {path} is a folder; give a file path")
-    _check_parent(target.parent, flag, path)
+    _refuse_under_a_file(target, flag)
+    if not target.parent.exists():
+        raise AllocMoeError(f"{flag} {path}: the folder {target.parent} does not exist; create it or choose "
+                            "another path")
 
 
 def check_output_dir(path: str | None, flag: str = "--output") -> None:
@@ -73,18 +76,14 @@ def check_output_dir(path: str | None, flag: str = "--output") -> None:
     target = Path(path)
     if target.exists() and not target.is_dir():
         raise AllocMoeError(f"{flag} {path} is a file; give a folder path")
-    for parent in target.parents:
-        if parent.exists():
-            if not parent.is_dir():
-                raise AllocMoeError(f"{flag} {path} lies under {parent}, which is a file; choose another path")
-            break
+    _refuse_under_a_file(target, flag)
 
 
-def _check_parent(parent: Path, flag: str, path: str) -> None:
-    if parent.exists() and not parent.is_dir():
-        raise AllocMoeError(f"{flag} {path} lies under {parent}, which is a file; choose another path")
-    if not parent.exists():
-        raise AllocMoeError(f"{flag} {path}: the folder {parent} does not exist; create it or choose another path")
+def _refuse_under_a_file(target: Path, flag: str) -> None:
+    """The nearest existing folder above `target` must be a folder, not a regular file."""
+    parent = next((p for p in target.parents if p.exists()), None)
+    if parent is not None and not parent.is_dir():
+        raise AllocMoeError(f"{flag} {target} lies under {parent}, which is a file; choose another path")
 
 
 def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
@@ -130,14 +129,10 @@ def add_quiet(p) -> None:
 
 
 def load(args):
-    """Load `--model`, and refuse a `--seq-len` past the model's context before any forward pass."""
-    from ..evaluate.perplexity import window_len
+    """Load `--model` (a `--seq-len` past its context is refused where windows are cut, before any pass)."""
     from ..models import load_model
 
-    model, tok = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    if getattr(args, "seq_len", None):
-        window_len(model, args.seq_len)
-    return model, tok
+    return load_model(args.model, trust_remote_code=args.trust_remote_code)
 
 
 def emit(obj, path: str | None, shown: dict | None = None) -> None:

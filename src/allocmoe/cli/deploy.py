@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import AllocMoeError
-from .common import add_output
+from .common import add_output, check_output_file
 
 
 def add_parsers(sub) -> None:
@@ -28,23 +28,15 @@ def add_parsers(sub) -> None:
 
 def cmd_export(args) -> None:
     from ..integrations.export import export_plan
+    from ..integrations.vllm_plugin import parse_named_plans
     from ..io_utils import atomic_write_bytes
-    from ..serve.plans import PLAN_NAME
 
-    plans: dict[str | None, Path] = {}
-    if args.plan:
-        plans[None] = Path(args.plan)
-    for value in args.request_plan:
-        name, sep, path = value.partition("=")
-        if not sep or not PLAN_NAME.match(name) or name == "default" or name in plans:
-            raise AllocMoeError(f"--request-plan {value!r}: give NAME=PLAN.json with a new name of letters, "
-                                "digits, '.', '_' or '-' (not 'default')")
-        plans[name] = Path(path)
-    for name, path in plans.items():
+    check_output_file(args.output)
+    plans: dict[str | None, Path] = {None: Path(args.plan)} if args.plan else {}
+    plans.update(parse_named_plans(args.request_plan, "--request-plan"))
+    for path in plans.values():
         if not path.is_file():
             raise AllocMoeError(f"plan file not found: {path}")
-    if args.output and Path(args.output).is_dir():
-        raise AllocMoeError(f"--output {args.output} is a folder; give a file name such as serve.sh")
     export = export_plan(args.format, plans, model=args.model, arch=args.arch)
     text = json.dumps(export.to_dict(), indent=2) + "\n" if args.json else "#!/usr/bin/env sh\n" + export.script()
     if args.output:

@@ -56,18 +56,13 @@ class Export:
                 "full": self.full, "fraction": round(self.activations_per_token / self.full, 6)}
 
 
-def _layers_text(plan: Plan) -> str:
-    return " ".join(f"{i}:{policy.k:g}" if policy.k is not None else f"{i}:?"
-                    for i, policy in sorted(plan.layers.items()))
-
-
 def _is_static(plan: Plan) -> bool:
     return all(isinstance(p, StaticTopK) for p in plan.layers.values())
 
 
 def _describe(plan: Plan) -> str:
     return (f"plan {plan.method}: {plan.budget:g} of {plan.full_budget} activations per token "
-            f"({plan.budget / plan.full_budget:.0%}); k per layer {_layers_text(plan)}")
+            f"({plan.budget / plan.full_budget:.0%}); k per layer {plan.k_text()}")
 
 
 def global_k(plan: Plan) -> int:
@@ -134,7 +129,7 @@ def _global(fmt: str, plan: Plan, model: str, arch: str | None) -> Export:
         notes.append(f"under budget by {plan.budget - spend:g}; k={n + 1} would spend {(n + 1) * layers}")
     ks = {p.k for p in plan.layers.values()}
     if len(ks) > 1:
-        notes.append(f"lost: per-layer k (the plan gives {_layers_text(plan)}; the engine has one k)")
+        notes.append(f"lost: per-layer k (the plan gives {plan.k_text()}; the engine has one k)")
     if not _is_static(plan):
         notes.append(f"lost: the token-level policy ({plan.method}): every token gets exactly k={n}")
     notes.append("to keep what is lost, serve with allocmoe (`allocmoe serve`) or the vLLM plugin (--format vllm)")

@@ -45,22 +45,30 @@ class PluginConfig:
     @classmethod
     def from_env(cls, env=os.environ) -> "PluginConfig | None":
         from ..errors import AllocMoeError
-        from ..serve.plans import PLAN_NAME
 
         default = env.get(ENV_PLAN) or None
-        named: dict[str, Path] = {}
-        for item in filter(None, (s.strip() for s in env.get(ENV_PLANS, "").split(","))):
-            name, sep, path = item.partition("=")
-            if not sep or not PLAN_NAME.match(name) or name == DEFAULT or name in named:
-                raise AllocMoeError(f"{ENV_PLANS}: {item!r} must be NAME=PLAN.json with a new name of letters, "
-                                    f"digits, '.', '_' or '-' (not {DEFAULT!r})")
-            named[name] = Path(path)
+        named = parse_named_plans(filter(None, (s.strip() for s in env.get(ENV_PLANS, "").split(","))), ENV_PLANS)
         if default is None and not named:
             return None
         for path in ([Path(default)] if default else []) + list(named.values()):
             if not path.is_file():
                 raise AllocMoeError(f"allocmoe vLLM plugin: plan file not found: {path}")
         return cls(Path(default) if default else None, named, env.get(ENV_STATS, "") not in ("", "0"))
+
+
+def parse_named_plans(items, what: str) -> dict[str, Path]:
+    """NAME=PLAN.json items (ALLOCMOE_PLANS, `allocmoe export --request-plan`): names unique, not DEFAULT."""
+    from ..errors import AllocMoeError
+    from ..serve.plans import PLAN_NAME
+
+    named: dict[str, Path] = {}
+    for item in items:
+        name, sep, path = item.partition("=")
+        if not sep or not PLAN_NAME.match(name) or name == DEFAULT or name in named:
+            raise AllocMoeError(f"{what} {item!r}: give NAME=PLAN.json with a new name of letters, digits, '.', "
+                                f"'_' or '-' (not {DEFAULT!r})")
+        named[name] = Path(path)
+    return named
 
 
 class _Step:
@@ -199,8 +207,7 @@ def _log_installed(state: _State, static: bool, layer_ids: list[int]) -> None:
         if plan is None:
             described.append(f"{name}: full model")
         else:
-            ks = " ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:?" for i, p in sorted(plan.layers.items()))
-            described.append(f"{name}: {plan.method} at {plan.budget:g} of {plan.full_budget} ({ks})")
+            described.append(f"{name}: {plan.method} at {plan.budget:g} of {plan.full_budget} ({plan.k_text()})")
     how = "static per-layer top_k" if static else "weight-0 routing wrapper"
     logging.getLogger("vllm.allocmoe").info("allocmoe plugin: %d MoE layers, %s; plans %s", len(layer_ids), how,
                                             "; ".join(described))
