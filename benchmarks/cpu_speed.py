@@ -21,11 +21,11 @@ import time
 import torch
 
 from allocmoe import apply_plan
-from allocmoe.apply import allocmoe_experts
-from allocmoe.bench import BenchConfig, Generation, benchmark
-from allocmoe.io_utils import atomic_write_json
-from allocmoe.methods import allocate
-from allocmoe.synthetic import build_synthetic
+from allocmoe.routing.apply import allocmoe_experts
+from allocmoe.measure.bench import BenchConfig, Generation, benchmark
+from allocmoe.core.files import atomic_write_json
+from allocmoe.calibrate.methods import allocate
+from allocmoe.measure.synthetic import build_synthetic
 
 
 def interleaved_prefill(model, ids: torch.Tensor, repeats: int, conditions: dict) -> dict[str, list[float]]:

@@ -15,7 +15,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from allocmoe import apply_plan
-from allocmoe.methods import allocate
+from allocmoe.calibrate.methods import allocate
 
 
 def main() -> None:

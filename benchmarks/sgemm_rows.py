@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from allocmoe.experts import _row_window
+from allocmoe.routing.experts import _row_window
 
 EXPERTS = 8       # distinct weight matrices cycled through, so each product reads its weights from memory
 

@@ -15,8 +15,8 @@ from pathlib import Path
 import torch
 
 from allocmoe import apply_plan, evaluate_perplexity, load_model, model_fingerprint, read_text, static_plan
-from allocmoe.evaluate import tokenize_windows
-from allocmoe.io_utils import atomic_write_json
+from allocmoe.measure.evaluate import tokenize_windows
+from allocmoe.core.files import atomic_write_json
 from allocmoe.models import BUILTIN_MODEL
 
 
@@ -93,7 +93,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from allocmoe.report import _save_png
+    from allocmoe.measure.report import _save_png
 
     fig, axes = plt.subplots(1, 2 if rounds else 1, figsize=(10 if rounds else 6, 3.5), squeeze=False)
     ax = axes[0, 0]

@@ -46,7 +46,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from allocmoe.io_utils import atomic_write_bytes
+from allocmoe.core.files import atomic_write_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
 DATA = ROOT / "src" / "allocmoe" / "builtin" / "data"

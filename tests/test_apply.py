@@ -101,14 +101,14 @@ def dense_reference(experts, hidden, index, weights):
 @torch.no_grad()
 def test_weights_first_path_inside_a_whole_model_matches_the_grouped_mm_path(family_model, ids, monkeypatch):
     """Tiny experts normally take grouped_mm; forcing the CPU weights-first path must not change logits."""
-    import allocmoe.experts
+    import allocmoe.routing.experts
 
     _, model = family_model
     fp = model_fingerprint(model)
     plan = plan_of(model, lambda i: AllocT(max(fp["k_orig"] // 2, 1), k_base=1))
     with apply_plan(model, plan):
         grouped = model(ids).logits
-        monkeypatch.setattr(allocmoe.experts, "WEIGHTS_FIRST_MIN_ELEMENTS", 0)
+        monkeypatch.setattr(allocmoe.routing.experts, "WEIGHTS_FIRST_MIN_ELEMENTS", 0)
         weights_first = model(ids).logits
     assert (weights_first - grouped).abs().max() <= 1e-5
 
@@ -125,19 +125,19 @@ def random_selection(num_tokens, num_experts, width, generator):
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen3_moe", "mixtral"])
 @torch.no_grad()
 def test_compacted_execution_equals_a_dense_masked_reference(model_type, path):
-    import allocmoe.experts
+    import allocmoe.routing.experts
 
     model = build_tiny(model_type)
     experts = [m for m in model.modules() if hasattr(m, "gate_up_proj")][0]
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(10, 32, generator=gen)
     index, weights = random_selection(10, experts.gate_up_proj.size(0), 3, gen)
-    out = getattr(allocmoe.experts, path)(experts, hidden, index, weights)
+    out = getattr(allocmoe.routing.experts, path)(experts, hidden, index, weights)
     assert torch.allclose(out, dense_reference(experts, hidden, index, weights), atol=1e-5)
 
 
 def test_row_windows_round_up_to_whole_blocks_inside_the_operand():
-    from allocmoe.experts import _row_window
+    from allocmoe.routing.experts import _row_window
 
     assert _row_window(0, 11, 100) == (0, 11)        # below PAD_FROM_ROWS: exactly the expert's rows
     assert _row_window(5, 13, 100) == (5, 21)        # 13 -> 16 rows, borrowed from the next expert
@@ -151,7 +151,7 @@ def test_row_windows_round_up_to_whole_blocks_inside_the_operand():
 def test_weights_first_path_with_widened_row_windows_equals_the_dense_reference(model_type):
     """Many rows per expert, so most experts get a widened window (and the last one a shifted one);
     gpt_oss adds biases, which must be added to the kept rows only."""
-    from allocmoe.experts import PAD_FROM_ROWS, ROW_BLOCK, weights_first_experts_forward
+    from allocmoe.routing.experts import PAD_FROM_ROWS, ROW_BLOCK, weights_first_experts_forward
 
     model = build_tiny(model_type)
     experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]
@@ -180,7 +180,7 @@ def test_cpu_weights_first_path_equals_transformers_grouped_mm(model_type):
     experts function, which sees the sentinel slots as a real expert with routing weight 0."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    from allocmoe.experts import weights_first_experts_forward
+    from allocmoe.routing.experts import weights_first_experts_forward
 
     model = build_tiny(model_type)
     experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]                # the experts module
@@ -251,7 +251,7 @@ def test_alloc_t_on_a_single_token_is_static_top_round_k():
 def test_weights_first_kernel_is_chosen_only_for_large_fp32_experts_on_cpu():
     from types import SimpleNamespace
 
-    from allocmoe.experts import WEIGHTS_FIRST_MIN_ELEMENTS, _prefers_weights_first
+    from allocmoe.routing.experts import WEIGHTS_FIRST_MIN_ELEMENTS, _prefers_weights_first
 
     def experts(rows):
         return SimpleNamespace(has_gate=True, gate_up_proj=torch.empty(2, rows, 1024), _is_expert_parallel=False)

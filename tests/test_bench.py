@@ -6,11 +6,11 @@ import pytest
 import torch
 
 from allocmoe import AllocMoeError, static_plan
-from allocmoe.apply import allocmoe_experts, apply_plan, routed_experts_off
-from allocmoe.bench import BenchConfig, Generation, benchmark, share_of_ideal_gain
+from allocmoe.routing.apply import allocmoe_experts, apply_plan, routed_experts_off
+from allocmoe.measure.bench import BenchConfig, Generation, benchmark, share_of_ideal_gain
 from allocmoe.cli import main
-from allocmoe.methods import allocate
-from allocmoe.synthetic import parameter_bytes, synthetic_config
+from allocmoe.calibrate.methods import allocate
+from allocmoe.measure.synthetic import parameter_bytes, synthetic_config
 from conftest import build_tiny
 
 
@@ -104,7 +104,7 @@ def test_deepseek_v2_lite_shape_has_about_16b_parameters():
 
 
 def test_bench_cli_bad_inputs(capsys, tmp_path):
-    from allocmoe.bench import free_memory_bytes
+    from allocmoe.measure.bench import free_memory_bytes
 
     if free_memory_bytes(torch.device("cpu")) > 60 * 2**30:
         pytest.skip("the too-big cases assume a machine of at most 60 GiB free memory (the CI size is 24 GiB)")

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from allocmoe import apply_plan, static_plan
-from allocmoe.analyze import js_divergence, spearman
-from allocmoe.evaluate import tokenize_windows
+from allocmoe.measure.analyze import js_divergence, spearman
+from allocmoe.measure.evaluate import tokenize_windows
 from allocmoe.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -42,7 +42,7 @@ def test_dev_copy_comes_from_the_calibration_split_and_shares_no_item_with_the_s
         test = {json.loads(line)["context"] for line in (shipped / f"allocmoe_{task}.jsonl").open()}
         assert len(dev) >= 300 and not dev & test, task
     if has_lm_eval:      # lm-eval finds the copy by --include-path and reads its data from where it was written
-        from allocmoe.evaluate.harness import _task_manager
+        from allocmoe.measure.evaluate.harness import _task_manager
 
         for name, task in _task_manager(str(tmp_path)).load(["allocmoe_dev_cloze"])["tasks"].items():
             lines = (tmp_path / f"{name}.jsonl").read_text().splitlines()
@@ -51,7 +51,7 @@ def test_dev_copy_comes_from_the_calibration_split_and_shares_no_item_with_the_s
 
 @pytest.mark.skipif(not has_lm_eval, reason='needs the [eval] extra: pip install "allocmoe[eval]"')
 def test_offline_tasks_run_through_lm_eval_and_a_plan_changes_their_metrics(tiny_folder):
-    from allocmoe.evaluate.harness import run_tasks
+    from allocmoe.measure.evaluate.harness import run_tasks
 
     model, tok = load_model(tiny_folder)
     tasks = ["allocmoe_lastword", "allocmoe_nextword"]          # multiple choice, open vocabulary
@@ -72,7 +72,7 @@ def test_offline_tasks_run_through_lm_eval_and_a_plan_changes_their_metrics(tiny
 
 
 def test_right_padding_mask_by_hand():
-    from allocmoe.evaluate.harness import right_padding_mask
+    from allocmoe.measure.evaluate.harness import right_padding_mask
 
     ids = torch.tensor([[5, 0, 7, 0, 0], [0, 0, 0, 0, 0], [3, 4, 5, 6, 7]])
     assert right_padding_mask(ids).tolist() == [[1, 1, 1, 0, 0], [1, 0, 0, 0, 0], [1, 1, 1, 1, 1]]
@@ -88,7 +88,7 @@ def test_lm_eval_padding_stays_out_of_the_plan_and_leaves_real_tokens_alone(tiny
     from lm_eval.models.huggingface import HFLM
 
     from allocmoe import AllocT, Plan, model_fingerprint
-    from allocmoe.evaluate.harness import _padding_aware
+    from allocmoe.measure.evaluate.harness import _padding_aware
 
     model, tok = load_model(tiny_folder)
     assert 0 in tok.all_special_ids
@@ -116,7 +116,7 @@ def test_lm_eval_padding_that_cannot_be_told_from_text_is_warned_about(tiny_fold
     from lm_eval.api.instance import Instance
     from lm_eval.models.huggingface import HFLM
 
-    from allocmoe.evaluate.harness import _padding_aware
+    from allocmoe.measure.evaluate.harness import _padding_aware
 
     model, tok = load_model(tiny_folder)
     monkeypatch.setattr(type(tok), "all_special_ids", property(lambda self: [1]))   # token 0 an ordinary token
@@ -135,7 +135,7 @@ def test_every_offline_request_scores_a_whole_spaced_word_or_sentence(tiny_folde
     # its space glues onto the context's last word ("seeds" + "and"), or tokenizes to nothing.
     from lm_eval.models.huggingface import HFLM
 
-    from allocmoe.evaluate.harness import _task_manager
+    from allocmoe.measure.evaluate.harness import _task_manager
     from allocmoe.texts import OFFLINE_TASKS
 
     model, tok = load_model(tiny_folder)
@@ -153,7 +153,7 @@ def test_every_offline_request_scores_a_whole_spaced_word_or_sentence(tiny_folde
 def test_eval_json_carries_item_scores_that_compare_pairs_up(tiny_folder, tmp_path, capsys):
     import json
 
-    from allocmoe import api
+    from allocmoe.measure.evaluate import run as api
     from allocmoe.cli import main
 
     model, _ = load_model(tiny_folder)
@@ -182,7 +182,7 @@ def test_eval_json_carries_item_scores_that_compare_pairs_up(tiny_folder, tmp_pa
 
 def test_missing_extra_or_unknown_task_is_a_clear_error(tiny_folder, monkeypatch):
     from allocmoe import AllocMoeError
-    from allocmoe.evaluate import harness
+    from allocmoe.measure.evaluate import harness
 
     model, tok = load_model(tiny_folder)
     if has_lm_eval:
@@ -197,10 +197,11 @@ def test_missing_extra_or_unknown_task_is_a_clear_error(tiny_folder, monkeypatch
 def test_an_unknown_task_is_refused_before_any_scoring_or_profiling(tiny_folder, monkeypatch):
     import importlib
 
-    from allocmoe import AllocMoeError, api
+    from allocmoe import AllocMoeError
+    from allocmoe.measure.evaluate import run as api
     from allocmoe.texts import read_text
 
-    sweep_module = importlib.import_module("allocmoe.sweep")
+    sweep_module = importlib.import_module("allocmoe.measure.sweep")
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the task names were checked")
@@ -225,8 +226,8 @@ def test_statistics_against_hand_computed_cases():
 
 
 def test_analysis_of_an_alloc_t_plan(tiny_folder, tmp_path):
-    from allocmoe.analyze import analyze_plan, write_analysis
-    from allocmoe.methods import allocate
+    from allocmoe.measure.analyze import analyze_plan, write_analysis
+    from allocmoe.calibrate.methods import allocate
     from allocmoe.texts import read_text
 
     model, tok = load_model(tiny_folder)

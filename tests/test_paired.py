@@ -6,7 +6,7 @@ import statistics
 import pytest
 
 from allocmoe.errors import AllocMoeError
-from allocmoe.evaluate.paired import compare_results, markdown, paired_difference
+from allocmoe.measure.evaluate.paired import compare_results, markdown, paired_difference
 
 
 def test_paired_difference_matches_a_hand_computed_case():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from allocmoe.errors import AllocMoeError
-from allocmoe.policies import (AllocT, NaeeSkip, StaticTopK, TopP, expected_alloc_t_activations,
+from allocmoe.core.policies import (AllocT, NaeeSkip, StaticTopK, TopP, expected_alloc_t_activations,
                                policy_from_dict, prefix_mask, select_experts)
 
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from allocmoe import AllocMoeError, apply_plan, model_fingerprint, static_plan
-from allocmoe.evaluate import evaluate_perplexity, tokenize_windows
-from allocmoe.methods import allocate, linear_allocation, spread_evenly
-from allocmoe.profile import load_profile, profile_cells, profile_sensitivity
+from allocmoe.measure.evaluate import evaluate_perplexity, tokenize_windows
+from allocmoe.calibrate.methods import allocate, linear_allocation, spread_evenly
+from allocmoe.calibrate.profile import load_profile, profile_cells, profile_sensitivity
 from conftest import build_tiny
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))

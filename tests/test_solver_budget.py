@@ -6,7 +6,7 @@ import random
 import pytest
 
 from allocmoe import AllocMoeError, Budget
-from allocmoe.solver import allocation_cost, solve_allocation
+from allocmoe.core.solver import allocation_cost, solve_allocation
 
 
 def brute_force(costs, budget):

@@ -38,7 +38,7 @@ def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torc
     """Load (model, tokenizer) from a local folder, or the built-in model when `model` is None."""
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
-    from .adapters import adapter_for_config
+    from .routing.adapters import adapter_for_config
 
     path = resolve_model_path(model)
     try:

@@ -27,7 +27,7 @@ from .common import Parser
 
 def build_parser() -> Parser:
     from .. import __version__
-    from ..serve.commands import add_generate_parser, add_serve_parser
+    from .serve import add_generate_parser, add_serve_parser
     from . import calibrate, deploy, measure
 
     parser = Parser(prog="allocmoe", description="Budget-aware expert activation for MoE models.")

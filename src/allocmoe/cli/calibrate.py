@@ -8,7 +8,7 @@ from .common import add_calib_tokens, add_model_flags, add_quiet, check_output_f
 
 
 def add_parsers(sub) -> None:
-    from ..methods import METHODS
+    from ..calibrate.methods import METHODS
 
     p = sub.add_parser("profile", help="allocation-isolating sensitivity profile (slow, resumable)")
     add_model_flags(p)
@@ -33,7 +33,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_profile(args) -> None:
-    from ..profile import ProfileConfig, profile_sensitivity
+    from ..calibrate.profile import ProfileConfig, profile_sensitivity
     from ..texts import read_text
 
     check_output_file(args.output)
@@ -46,8 +46,8 @@ def cmd_profile(args) -> None:
 
 
 def cmd_allocate(args) -> None:
-    from ..methods import MODEL_METHODS, PROFILE_METHODS, AllocateConfig, allocate
-    from ..profile import ProfileConfig, load_profile, profile_sensitivity
+    from ..calibrate.methods import MODEL_METHODS, PROFILE_METHODS, AllocateConfig, allocate
+    from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
     from ..texts import read_text
 
     check_output_file(args.output)

@@ -137,7 +137,7 @@ def load(args):
 
 def emit(obj, path: str | None, shown: dict | None = None) -> None:
     """Write `obj` to `path` (atomically) if given; print `shown` (default: all of `obj`)."""
-    from ..io_utils import atomic_write_json
+    from ..core.files import atomic_write_json
 
     if path:
         atomic_write_json(path, obj)

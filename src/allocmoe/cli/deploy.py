@@ -29,7 +29,7 @@ def add_parsers(sub) -> None:
 def cmd_export(args) -> None:
     from ..integrations.export import export_plan
     from ..integrations.vllm_plugin import parse_named_plans
-    from ..io_utils import atomic_write_bytes
+    from ..core.files import atomic_write_bytes
 
     check_output_file(args.output)
     plans: dict[str | None, Path] = {None: Path(args.plan)} if args.plan else {}

@@ -13,7 +13,7 @@ from .common import (add_calib_tokens, add_eval_tokens, add_model_flags, add_out
 
 
 def add_parsers(sub) -> None:
-    from ..methods import METHODS
+    from ..calibrate.methods import METHODS
 
     p = sub.add_parser("eval", help="perplexity with or without a plan")
     add_model_flags(p)
@@ -78,7 +78,7 @@ def add_parsers(sub) -> None:
 
 
 def cmd_eval(args) -> None:
-    from ..api import evaluate_model
+    from ..measure.evaluate.run import evaluate_model
 
     check_output_file(args.output)
     tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
@@ -95,9 +95,9 @@ def cmd_eval(args) -> None:
 
 
 def cmd_sweep(args) -> None:
-    from ..profile import ProfileConfig, load_profile
-    from ..report import markdown_table
-    from ..sweep import SweepConfig, sweep
+    from ..calibrate.profile import ProfileConfig, load_profile
+    from ..measure.report import markdown_table
+    from ..measure.sweep import SweepConfig, sweep
     from ..texts import read_text
 
     check_output_dir(args.output)
@@ -121,8 +121,8 @@ def cmd_sweep(args) -> None:
 
 
 def cmd_compare(args) -> None:
-    from ..evaluate.paired import compare_results, markdown
-    from ..io_utils import atomic_write_json, read_json
+    from ..measure.evaluate.paired import compare_results, markdown
+    from ..core.files import atomic_write_json, read_json
 
     check_output_file(args.output)
     a, b = read_json(args.a, "eval result"), read_json(args.b, "eval result")
@@ -137,9 +137,9 @@ def cmd_compare(args) -> None:
 
 
 def cmd_analyze(args) -> None:
-    from ..analyze import analyze_plan, write_analysis
-    from ..evaluate.perplexity import window_len, tokenize_windows
-    from ..plan import Plan
+    from ..measure.analyze import analyze_plan, write_analysis
+    from ..measure.evaluate.perplexity import window_len, tokenize_windows
+    from ..core.plan import Plan
     from ..texts import read_text
 
     check_output_dir(args.output)
@@ -154,11 +154,11 @@ def cmd_analyze(args) -> None:
 
 
 def cmd_bench(args) -> None:
-    from ..bench import BenchConfig, benchmark, free_memory_bytes
-    from ..methods import allocate
+    from ..measure.bench import BenchConfig, benchmark, free_memory_bytes
+    from ..calibrate.methods import allocate
     from ..models import load_model
-    from ..plan import Plan
-    from ..synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
+    from ..core.plan import Plan
+    from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
 
     check_output_file(args.output)
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,

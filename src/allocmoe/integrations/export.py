@@ -20,8 +20,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from ..errors import AllocMoeError
-from ..plan import Plan
-from ..policies import StaticTopK
+from ..core.plan import Plan
+from ..core.policies import StaticTopK
 
 FORMATS = ("vllm", "vllm-global", "sglang", "llama.cpp")
 # GGUF `general.architecture` of the HF families allocmoe supports (llama.cpp's llama-arch.cpp);

@@ -86,7 +86,7 @@ class _Step:
 
 class _State:
     def __init__(self, config: PluginConfig):
-        from ..plan import Plan
+        from ..core.plan import Plan
 
         self.config = config
         self.names = [DEFAULT] + list(config.named)
@@ -273,7 +273,7 @@ def _route_by_plans(router, index: int, policies: list, k_orig: int, state: _Sta
     import torch
 
     from ..errors import AllocMoeError
-    from ..policies import StaticTopK, prefix_mask
+    from ..core.policies import StaticTopK, prefix_mask
 
     if router.use_grouped_topk or router.scoring_func != "softmax" or router.custom_routing_function is not None:
         raise AllocMoeError("allocmoe vLLM plugin: token-level policies and per-request plans need a plain "

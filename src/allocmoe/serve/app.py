@@ -32,7 +32,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from ..errors import AllocMoeError
-from ..plan import Plan
+from ..core.plan import Plan
 from .engine import Engine, QueueFull, Request
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .plans import PlanRegistry, UnknownPlan

@@ -31,7 +31,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from ..apply import PlanHandle
+from ..routing.apply import PlanHandle
 from ..errors import AllocMoeError
 from .sampling import SamplingParams, next_token
 from .text import IncrementalText
@@ -251,7 +251,7 @@ class Engine:
         self._retire()
 
     def _full(self, tokens: int) -> float:
-        from ..plan import model_fingerprint
+        from ..core.plan import model_fingerprint
 
         if self.full_activations is None:
             fingerprint = model_fingerprint(self.model)

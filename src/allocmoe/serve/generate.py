@@ -16,9 +16,9 @@ import os
 from dataclasses import asdict, dataclass
 from typing import Any, Iterator
 
-from ..apply import active_handle, apply_plan
+from ..routing.apply import active_handle, apply_plan
 from ..errors import AllocMoeError
-from ..plan import Plan, model_fingerprint
+from ..core.plan import Plan, model_fingerprint
 from .engine import Engine, Request
 from .prompts import chat_prompt_ids, check_token_ids, text_prompt_ids
 from .sampling import SamplingParams

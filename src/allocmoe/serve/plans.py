@@ -12,11 +12,11 @@ import threading
 from dataclasses import replace
 from typing import Any
 
-from ..apply import PlanHandle, apply_plans, static_plan
-from ..budget import Budget
+from ..routing.apply import PlanHandle, apply_plans, static_plan
+from ..core.budget import Budget
 from ..errors import AllocMoeError
-from ..plan import Plan, model_fingerprint
-from ..policies import AllocT
+from ..core.plan import Plan, model_fingerprint
+from ..core.policies import AllocT
 
 PLAN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
@@ -70,7 +70,7 @@ class PlanRegistry:
                                   f"{self.model_name!r} (see GET /v1/models)")
         if named is not None and plan is not None and named != plan:
             raise AllocMoeError(f"the request names two plans: {named!r} in 'model' and {plan!r} in "
-                                "'allocmoe.plan'; name one")
+                                "'allocmoe.core.plan'; name one")
         name = named if named is not None else plan
         if name is not None and budget is not None:
             raise AllocMoeError("the request names both a plan and a budget; give one of them")
@@ -85,10 +85,10 @@ class PlanRegistry:
             return self._by_name[name], name
 
     def _for_budget(self, budget: float | str, method: str) -> tuple[int, str]:
-        from ..methods import PROFILE_METHODS, allocate
+        from ..calibrate.methods import PROFILE_METHODS, allocate
 
         if isinstance(budget, bool):
-            raise AllocMoeError("allocmoe.budget must be a number or a string such as '1/2'")
+            raise AllocMoeError("allocmoe.core.budget must be a number or a string such as '1/2'")
         parsed = Budget.parse(str(budget), self.num_layers, self.k_orig)
         if method in PROFILE_METHODS and self.profile is None:
             raise AllocMoeError(f"a budget with method {method!r} needs a profile: start the server with "

@@ -23,14 +23,14 @@ from typing import Any
 
 import torch
 
-from .apply import apply_plan, static_plan
-from .budget import Budget
-from .config import checked_config
-from .errors import AllocMoeError
-from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
-from .plan import Plan, check_fingerprint, model_fingerprint
-from .policies import AllocT, NaeeSkip, StaticTopK, TopP
-from .solver import solve_allocation
+from ..routing.apply import apply_plan, static_plan
+from ..core.budget import Budget
+from ..core.config import checked_config
+from ..errors import AllocMoeError
+from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
+from ..core.plan import Plan, check_fingerprint, model_fingerprint
+from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
+from ..core.solver import solve_allocation
 
 PROFILE_METHODS = ("alloc-moe", "alloc-l")
 MODEL_METHODS = ("lexi", "top-p", "naee", "auto")
@@ -101,7 +101,7 @@ def _alloc_t(k: float, config: AllocateConfig, k_base: int | None = None) -> All
 def lexi_deviation(model, samples: int = 512, seed: int = 0) -> list[list[float]]:
     """LExI: for each MoE layer alone, mean over Gaussian inputs of ||Y_k(x) - Y_K(x)||, k = 1..K."""
     fingerprint = model_fingerprint(model)
-    from .adapters import adapter_for_model
+    from ..routing.adapters import adapter_for_model
 
     layers = adapter_for_model(model).moe_layers(model)
     k_orig = fingerprint["k_orig"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from ..errors import AllocMoeError
+from ...errors import AllocMoeError
 from .base import MoEAdapter
 
 ADAPTERS: dict[str, type[MoEAdapter]] = {}

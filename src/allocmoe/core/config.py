@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar
 
-from .errors import AllocMoeError
+from ..errors import AllocMoeError
 
 C = TypeVar("C")
 

@@ -7,7 +7,7 @@ import io
 from pathlib import Path
 from typing import Any
 
-from .io_utils import atomic_write_bytes
+from ..core.files import atomic_write_bytes
 
 
 def markdown_table(results: dict[str, Any]) -> str:

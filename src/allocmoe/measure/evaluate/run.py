@@ -1,15 +1,15 @@
-"""High-level helpers behind the CLI that are also handy from Python."""
+"""`evaluate_model`: the eval command in one call (a model folder, an optional plan, a text, optional tasks)."""
 
 from __future__ import annotations
 
 import os
 from typing import Any
 
-from .apply import apply_plan
-from .evaluate.perplexity import PerplexityConfig, evaluate_perplexity
-from .models import load_model
-from .plan import Plan, model_fingerprint
-from .texts import read_text
+from ...routing.apply import apply_plan
+from .perplexity import PerplexityConfig, evaluate_perplexity
+from ...models import load_model
+from ...core.plan import Plan, model_fingerprint
+from ...texts import read_text
 
 
 def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLike | Plan | None = None,
@@ -28,7 +28,7 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
     fingerprint = model_fingerprint(net)
     full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
     if tasks:
-        from .evaluate.harness import check_tasks
+        from .harness import check_tasks
 
         check_tasks(tasks, (task_options or {}).get("include_path"))    # fail before any work
     handle = apply_plan(net, plan) if plan is not None else None
@@ -41,7 +41,7 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
             per_layer = {str(i): v for i, v in handle.layer_activations().items()}
         task_results = task_items = None
         if tasks:
-            from .evaluate.harness import score_tasks
+            from .harness import score_tasks
 
             task_results, task_items = score_tasks(net, tok, tasks, batch_size=batch_size, **(task_options or {}))
     finally:

@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .adapters import adapter_for_model
-from .apply import apply_plan, static_plan
+from ..routing.adapters import adapter_for_model
+from ..routing.apply import apply_plan, static_plan
 from .evaluate.perplexity import evaluate_perplexity
-from .io_utils import atomic_write_json
-from .plan import Plan, model_fingerprint
+from ..core.files import atomic_write_json
+from ..core.plan import Plan, model_fingerprint
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:

@@ -26,12 +26,12 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
-from .apply import apply_plan, static_plan
-from .config import checked_config
-from .errors import AllocMoeError
-from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
-from .io_utils import atomic_write_json, read_json
-from .plan import check_fingerprint, model_fingerprint
+from ..routing.apply import apply_plan, static_plan
+from ..core.config import checked_config
+from ..errors import AllocMoeError
+from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
+from ..core.files import atomic_write_json, read_json
+from ..core.plan import check_fingerprint, model_fingerprint
 
 FORMAT_VERSION = 1
 

@@ -25,7 +25,7 @@ from typing import Any, ClassVar
 
 import torch
 
-from .errors import AllocMoeError
+from ..errors import AllocMoeError
 
 
 @dataclass(frozen=True)

@@ -39,10 +39,10 @@ def add_generate_parser(sub) -> None:
 
 def cmd_generate(args) -> None:
     from ..models import load_model
-    from ..plan import Plan
-    from .generate import generate
-    from .prompts import read_chat_template
-    from .sampling import SamplingParams
+    from ..core.plan import Plan
+    from ..serve.generate import generate
+    from ..serve.prompts import read_chat_template
+    from ..serve.sampling import SamplingParams
 
     SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed, stop=tuple(args.stop))          # refuse bad numbers before loading
@@ -102,15 +102,15 @@ def cmd_serve(args) -> None:
     try:
         import uvicorn
 
-        from .app import ServerConfig, create_app
+        from ..serve.app import ServerConfig, create_app
     except ImportError as exc:
         raise AllocMoeError(f"allocmoe serve needs the serve extra ({exc.name} is missing): "
                             "pip install 'allocmoe[serve]'") from None
     from ..models import load_model
-    from ..plan import Plan
-    from ..profile import load_profile
-    from .plans import PLAN_NAME
-    from .prompts import read_chat_template
+    from ..core.plan import Plan
+    from ..calibrate.profile import load_profile
+    from ..serve.plans import PLAN_NAME
+    from ..serve.prompts import read_chat_template
 
     for name, value in (("--max-batch-size", args.max_batch_size),
                         ("--num-threads", args.num_threads or 1), ("--max-model-len", args.max_model_len or 2)):

@@ -24,8 +24,8 @@ from typing import Any
 
 import torch
 
-from .apply import allocmoe_experts, apply_plan, routed_experts_off
-from .errors import AllocMoeError
+from ..routing.apply import allocmoe_experts, apply_plan, routed_experts_off
+from ..errors import AllocMoeError
 
 
 @dataclass
@@ -120,8 +120,8 @@ def share_of_ideal_gain(t_full: float, t_plan: float, t_off: float, fraction: fl
 
 
 def _kernel_of(model, device: torch.device) -> str:
-    from .adapters import adapter_for_model
-    from .experts import experts_kernel_name
+    from ..routing.adapters import adapter_for_model
+    from ..routing.experts import experts_kernel_name
 
     experts = adapter_for_model(model).moe_layers(model)[0].experts
     probe = torch.empty(1, model.config.hidden_size, dtype=next(model.parameters()).dtype, device=device)
@@ -165,9 +165,9 @@ def _distinct_experts(model, plan, ids, steps: int) -> float:
 def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = False,
               progress: bool = True) -> dict[str, Any]:
     """Time full / plan / experts-off side by side; returns the JSON-ready result."""
-    from . import __version__
-    from .apply import static_plan
-    from .plan import model_fingerprint
+    from .. import __version__
+    from ..routing.apply import static_plan
+    from ..core.plan import model_fingerprint
 
     config = config or BenchConfig()
     check_memory(model, config)

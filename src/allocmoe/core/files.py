@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from .errors import AllocMoeError
+from ..errors import AllocMoeError
 
 
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:

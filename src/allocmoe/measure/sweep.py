@@ -17,16 +17,16 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from . import __version__
-from .apply import apply_plan
-from .budget import Budget
-from .config import checked_config
-from .errors import AllocMoeError
+from .. import __version__
+from ..routing.apply import apply_plan
+from ..core.budget import Budget
+from ..core.config import checked_config
+from ..errors import AllocMoeError
 from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
-from .io_utils import atomic_write_json
-from .methods import METHODS, AllocateConfig, allocate
-from .plan import model_fingerprint
-from .profile import ProfileConfig, profile_sensitivity
+from ..core.files import atomic_write_json
+from ..calibrate.methods import METHODS, AllocateConfig, allocate
+from ..core.plan import model_fingerprint
+from ..calibrate.profile import ProfileConfig, profile_sensitivity
 
 DEFAULT_BUDGETS = ("1/3", "1/2", "2/3", "5/6")
 

@@ -26,10 +26,10 @@ import torch
 from torch import nn
 
 from .adapters import MoEAdapter, MoELayer, adapter_for_model
-from .errors import AllocMoeError
+from ..errors import AllocMoeError
 from .experts import compact_experts_forward
-from .plan import Plan
-from .policies import AllocT, Policy, StaticTopK, expected_alloc_t_activations, prefix_mask
+from ..core.plan import Plan
+from ..core.policies import AllocT, Policy, StaticTopK, expected_alloc_t_activations, prefix_mask
 
 # Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
 # routed pass: each token's ranked candidates, their probabilities, and how many it keeps.
@@ -276,7 +276,7 @@ def active_handle(model: nn.Module) -> PlanHandle | None:
 
 def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], method: str = "manual") -> Plan:
     """A plan of static top-k per layer; a list is taken in MoE-layer order."""
-    from .plan import model_fingerprint
+    from ..core.plan import model_fingerprint
 
     fingerprint = model_fingerprint(model)
     indices = fingerprint["moe_layers"]

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from fractions import Fraction
 
-from .errors import AllocMoeError
+from ..errors import AllocMoeError
 
 
 @dataclass(frozen=True)

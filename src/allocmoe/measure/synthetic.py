@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from .errors import AllocMoeError
+from ..errors import AllocMoeError
 
 SHAPES: dict[str, dict] = {
     # deepseek-ai/DeepSeek-V2-Lite: 27 layers (first dense), MLA without q LoRA, 64 routed experts of

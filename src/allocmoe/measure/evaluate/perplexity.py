@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from ..config import checked_config
-from ..errors import AllocMoeError
+from ...core.config import checked_config
+from ...errors import AllocMoeError
 
 MIN_TOKENS = 16
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 
-from ..errors import AllocMoeError
+from ...errors import AllocMoeError
 
 
 def paired_difference(a: list[float], b: list[float]) -> dict[str, float]:

@@ -19,8 +19,8 @@ import datetime as _dt
 from dataclasses import dataclass, field
 from typing import Any
 
-from .errors import AllocMoeError
-from .io_utils import atomic_write_json, read_json
+from ..errors import AllocMoeError
+from .files import atomic_write_json, read_json
 from .policies import Policy, policy_from_dict, policy_to_dict
 
 FORMAT_VERSION = 1
@@ -29,7 +29,7 @@ FINGERPRINT_KEYS = ("model_type", "num_moe_layers", "num_experts", "k_orig", "mo
 
 def model_fingerprint(model) -> dict[str, Any]:
     """What a plan or profile must match: family, MoE layer indices, expert count and K_orig."""
-    from .adapters import adapter_for_model
+    from ..routing.adapters import adapter_for_model
 
     adapter = adapter_for_model(model)
     layers = [layer.index for layer in adapter.moe_layers(model)]
@@ -70,7 +70,7 @@ class Plan:
         return " ".join(f"{i}:{k:g}" if k is not None else f"{i}:?" for i, k in sorted(self.k_per_layer().items()))
 
     def to_dict(self) -> dict[str, Any]:
-        from . import __version__
+        from .. import __version__
 
         provenance = {"allocmoe_version": __version__,
                       "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}

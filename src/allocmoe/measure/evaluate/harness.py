@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from ..errors import AllocMoeError
-from ..texts import BUILTIN_TASKS as TASKS_DIR
-from ..texts import OFFLINE_TASKS
+from ...errors import AllocMoeError
+from ...texts import BUILTIN_TASKS as TASKS_DIR
+from ...texts import OFFLINE_TASKS
 
 
 def _lm_eval():
@@ -172,9 +172,9 @@ def _register() -> None:
     @register_model("allocmoe")
     class AllocMoeLM(_padding_aware(HFLM)):
         def __init__(self, pretrained: str = "builtin", plan: str | None = None, **kwargs: Any):
-            from ..apply import apply_plan
-            from ..models import load_model
-            from ..plan import Plan
+            from ...routing.apply import apply_plan
+            from ...models import load_model
+            from ...core.plan import Plan
 
             model, tokenizer = load_model(None if pretrained == "builtin" else pretrained)
             self.plan_handle = apply_plan(model, Plan.load(plan, model)) if plan else None

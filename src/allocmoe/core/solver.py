@@ -15,7 +15,7 @@ from typing import Sequence
 
 import numpy as np
 
-from .errors import AllocMoeError
+from ..errors import AllocMoeError
 
 
 def solve_allocation(costs: Sequence[Sequence[float]], budget: float) -> list[int]:

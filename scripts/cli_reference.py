@@ -1,0 +1,141 @@
+"""Write docs/cli.md, the reference of every `allocmoe` command and flag, from the real parser.
+
+    python scripts/cli_reference.py            # rewrite docs/cli.md
+    python scripts/cli_reference.py --check    # exit 1 if docs/cli.md is out of date
+
+tests/test_readme.py compares docs/cli.md with `render()`, so a flag added to the parser without
+rerunning this script fails the tests.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+from allocmoe.cli import build_parser
+
+ROOT = Path(__file__).resolve().parents[1]
+OUTPUT = ROOT / "docs" / "cli.md"
+
+INTRO = """\
+# Command-line reference
+
+Every `allocmoe` command and flag, with its default. This page is generated from the parser by
+`python scripts/cli_reference.py`; the tests fail when it is out of date. For a tour, see the
+[README](../README.md#five-minute-tour); for serving, [serve.md](serve.md) and [vllm.md](vllm.md).
+
+## Rules every command follows
+
+- **Exit codes**: `0` success; `2` bad input (a budget of 0 or above full, a corrupt file, a plan or
+  profile made for another model, an unsupported architecture, text that is too short, an output
+  path that cannot be written, a flag that does not exist), stated on one line,
+  `allocmoe: error: <what>; <how to fix it>`, before any work; `1` an unexpected failure, also one
+  line; `130` interrupted (Ctrl-C or `kill`; a profile resumes from its `.partial.json` when rerun).
+- **`--debug`**, anywhere on the line, shows the traceback of an unexpected failure (exit `1`); add it
+  to the failing command and include the output when you report the failure.
+- **One vocabulary**: `--output` is what a command writes, `--calib-tokens` how much calibration
+  text it reads, `--eval-tokens` how much text it scores, `--quiet` hides the progress bars (they go
+  to stderr; results go to stdout).
+- **No abbreviations**: a flag must be spelled out in full (`--out` is refused, not read as
+  `--output`), so a typo cannot silently become another flag.
+- **Deprecated spellings** still work and print one warning line
+  (`allocmoe: warning: --output-json is deprecated; use --output`); they are listed under each
+  command below and will be removed in a later release: `--output-json` and `--output-dir` (now
+  `--output`), `--max-tokens` (now `--calib-tokens` or `--eval-tokens`, by command) and
+  `--calib-max-tokens` (now `--calib-tokens`).
+- `allocmoe --version` prints the version; `allocmoe COMMAND --help` prints the flags below.
+"""
+
+
+def _cell(text: str) -> str:
+    """Text for a Markdown table cell: pipes escaped, whitespace collapsed."""
+    return " ".join(str(text).split()).replace("|", "\\|")
+
+
+def _default(action: argparse.Action) -> str:
+    default = action.default
+    if default is None or default == argparse.SUPPRESS or default is False or default == []:
+        return ""
+    if default is True:
+        return "on"
+    return f"`{default}`"
+
+
+def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    if not action.help:
+        return ""
+    text = parser._get_formatter()._expand_help(action)
+    if action.choices is not None and not any(str(c) in text for c in action.choices):
+        text += f" (one of: {', '.join(str(c) for c in action.choices)})"
+    elif action.choices is not None and action.help.strip() and "one of" not in text:
+        text += f"; one of: {', '.join(str(c) for c in action.choices)}"
+    return text
+
+
+def _invocation(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    formatter = parser._get_formatter()
+    if not action.option_strings:
+        return action.metavar or action.dest
+    return formatter._format_action_invocation(action)
+
+
+def _subcommands(parser: argparse.ArgumentParser):
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    helps = {a.dest: a.help for a in sub._choices_actions}
+    return [(name, helps.get(name, ""), sp) for name, sp in sub.choices.items()]
+
+
+def render() -> str:
+    """docs/cli.md as the current parser would have it."""
+    parser = build_parser()
+    out = [INTRO]
+    commands = _subcommands(parser)
+    out.append("## Commands\n")
+    out.append("| command | what it does |\n|---|---|")
+    for name, help_line, _ in commands:
+        out.append(f"| [`{name}`](#allocmoe-{name}) | {_cell(help_line)} |")
+    out.append("")
+    for name, help_line, sp in commands:
+        out.append(f"## `allocmoe {name}`\n")
+        out.append(f"{help_line[:1].upper()}{help_line[1:]}.\n")
+        usage = " ".join(sp.format_usage().split())
+        out.append(f"```text\n{usage}\n```\n")
+        shown = [a for a in sp._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+        positionals = [a for a in shown if not a.option_strings]
+        options = [a for a in shown if a.option_strings]
+        if positionals:
+            out.append("| argument | what it is |\n|---|---|")
+            for action in positionals:
+                out.append(f"| `{_invocation(sp, action)}` | {_cell(_help(sp, action))} |")
+            out.append("")
+        if options:
+            out.append("| flag | default | what it does |\n|---|---|---|")
+            for action in options:
+                out.append(f"| `{_invocation(sp, action)}` | {_default(action)} | {_cell(_help(sp, action))} |")
+            out.append("")
+        aliases = [a for a in sp._actions if a.help == argparse.SUPPRESS and a.option_strings
+                   and not isinstance(a, argparse._HelpAction)]
+        if aliases:
+            listed = ", ".join(f"`{a.option_strings[0]}` (use `{getattr(a, 'new', '?')}`)" for a in aliases)
+            out.append(f"Deprecated, still accepted with a warning: {listed}.\n")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0], allow_abbrev=False)
+    parser.add_argument("--check", action="store_true", help="only check that docs/cli.md is up to date")
+    args = parser.parse_args(argv)
+    text = render()
+    if args.check:
+        if not OUTPUT.exists() or OUTPUT.read_text() != text:
+            print(f"{OUTPUT.relative_to(ROOT)} is out of date; run python scripts/cli_reference.py", file=sys.stderr)
+            return 1
+        return 0
+    OUTPUT.write_text(text)
+    print(f"wrote {OUTPUT.relative_to(ROOT)}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

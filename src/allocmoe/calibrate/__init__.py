@@ -1,0 +1,2 @@
+"""Making a plan: the sensitivity profile (slow, resumable) and the allocation methods that turn a
+budget into a plan."""

@@ -1,0 +1,2 @@
+"""Measuring a plan: perplexity and lm-eval tasks, latency benches, routing analyses, sweeps and their
+reports."""
