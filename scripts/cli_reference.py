@@ -10,6 +10,7 @@ rerunning this script fails the tests.
 from __future__ import annotations
 
 import argparse
+import functools
 import sys
 from pathlib import Path
 
@@ -35,15 +36,16 @@ Every `allocmoe` command and flag, with its default. This page is generated from
 - **`--debug`**, anywhere on the line, shows the traceback of an unexpected failure (exit `1`); add it
   to the failing command and include the output when you report the failure.
 - **One vocabulary**: `--output` is what a command writes, `--calib-tokens` how much calibration
-  text it reads, `--eval-tokens` how much text it scores, `--quiet` hides the progress bars (they go
-  to stderr; results go to stdout).
+  text it reads, `--eval-tokens` how much text it scores, `--quiet` hides the progress bars of the
+  long commands (bars and messages go to stderr, results to stdout).
 - **No abbreviations**: a flag must be spelled out in full (`--out` is refused, not read as
   `--output`), so a typo cannot silently become another flag.
 - **Deprecated spellings** still work and print one warning line
-  (`allocmoe: warning: --output-json is deprecated; use --output`); they are listed under each
-  command below and will be removed in a later release: `--output-json` and `--output-dir` (now
-  `--output`), `--max-tokens` (now `--calib-tokens` or `--eval-tokens`, by command) and
-  `--calib-max-tokens` (now `--calib-tokens`).
+  (`allocmoe: warning: --output-json is deprecated; use --output`): `--output-json` and
+  `--output-dir` (now `--output`), `--max-tokens` (now `--calib-tokens` or `--eval-tokens`, by
+  command) and `--calib-max-tokens` (now `--calib-tokens`). Each command below lists its own.
+- **Required** flags say so in the default column; `(--a A | --b B)` in a usage line means exactly
+  one of the two.
 - `allocmoe --version` prints the version; `allocmoe COMMAND --help` prints the flags below.
 """
 
@@ -54,6 +56,8 @@ def _cell(text: str) -> str:
 
 
 def _default(action: argparse.Action) -> str:
+    if action.required:
+        return "required"
     default = action.default
     if default is None or default == argparse.SUPPRESS or default is False or default == []:
         return ""
@@ -63,21 +67,20 @@ def _default(action: argparse.Action) -> str:
 
 
 def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
-    if not action.help:
-        return ""
-    text = parser._get_formatter()._expand_help(action)
-    if action.choices is not None and not any(str(c) in text for c in action.choices):
-        text += f" (one of: {', '.join(str(c) for c in action.choices)})"
-    elif action.choices is not None and action.help.strip() and "one of" not in text:
-        text += f"; one of: {', '.join(str(c) for c in action.choices)}"
+    """The help text as `--help` prints it, plus the choices where the text does not name them all."""
+    text = parser._get_formatter()._expand_help(action) if action.help else ""
+    if action.choices is not None and not all(str(c) in text for c in action.choices):
+        choices = ", ".join(f"`{c}`" for c in action.choices)
+        text = f"{text} (one of {choices})" if text else f"one of {choices}"
     return text
 
 
-def _invocation(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
-    formatter = parser._get_formatter()
+def _invocation(action: argparse.Action) -> str:
+    """`--flag VALUE` (choices are listed in the help column instead of argparse's {a,b,c})."""
     if not action.option_strings:
         return action.metavar or action.dest
-    return formatter._format_action_invocation(action)
+    flags = ", ".join(action.option_strings)
+    return flags if action.nargs == 0 else f"{flags} {action.metavar or action.dest.upper().replace('_', '-')}"
 
 
 def _subcommands(parser: argparse.ArgumentParser):
@@ -89,6 +92,7 @@ def _subcommands(parser: argparse.ArgumentParser):
 def render() -> str:
     """docs/cli.md as the current parser would have it."""
     parser = build_parser()
+    wide = functools.partial(argparse.HelpFormatter, width=1_000_000)   # usage on one line, whatever the terminal
     out = [INTRO]
     commands = _subcommands(parser)
     out.append("## Commands\n")
@@ -99,6 +103,7 @@ def render() -> str:
     for name, help_line, sp in commands:
         out.append(f"## `allocmoe {name}`\n")
         out.append(f"{help_line[:1].upper()}{help_line[1:]}.\n")
+        sp.formatter_class = wide
         usage = " ".join(sp.format_usage().split())
         out.append(f"```text\n{usage}\n```\n")
         shown = [a for a in sp._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
@@ -107,12 +112,12 @@ def render() -> str:
         if positionals:
             out.append("| argument | what it is |\n|---|---|")
             for action in positionals:
-                out.append(f"| `{_invocation(sp, action)}` | {_cell(_help(sp, action))} |")
+                out.append(f"| `{_invocation(action)}` | {_cell(_help(sp, action))} |")
             out.append("")
         if options:
             out.append("| flag | default | what it does |\n|---|---|---|")
             for action in options:
-                out.append(f"| `{_invocation(sp, action)}` | {_default(action)} | {_cell(_help(sp, action))} |")
+                out.append(f"| `{_invocation(action)}` | {_default(action)} | {_cell(_help(sp, action))} |")
             out.append("")
         aliases = [a for a in sp._actions if a.help == argparse.SUPPRESS and a.option_strings
                    and not isinstance(a, argparse._HelpAction)]
