@@ -22,6 +22,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget
@@ -46,6 +47,7 @@ class AllocateConfig:
     batch_size: int = 4             # windows per forward pass in calibration
     lexi_samples: int = 512         # Gaussian inputs per layer for LExI's deviation profile
     seed: int = 0                   # LExI's input seed
+    progress: bool = True           # progress bar (stderr) for the methods that run the model: lexi, top-p, naee, auto
 
     def __post_init__(self):
         if self.pool not in ("batch", "sequence"):
@@ -98,8 +100,9 @@ def _alloc_t(k: float, config: AllocateConfig, k_base: int | None = None) -> All
 
 # -- model-based profiles ------------------------------------------------------------------------
 @torch.no_grad()
-def lexi_deviation(model, samples: int = 512, seed: int = 0) -> list[list[float]]:
-    """LExI: for each MoE layer alone, mean over Gaussian inputs of ||Y_k(x) - Y_K(x)||, k = 1..K."""
+def lexi_deviation(model, samples: int = 512, seed: int = 0, progress: bool = False) -> list[list[float]]:
+    """LExI: for each MoE layer alone, mean over Gaussian inputs of ||Y_k(x) - Y_K(x)||, k = 1..K.
+    `progress` shows a bar over the L*K layer passes."""
     fingerprint = model_fingerprint(model)
     from ..routing.adapters import adapter_for_model
 
@@ -109,16 +112,18 @@ def lexi_deviation(model, samples: int = 512, seed: int = 0) -> list[list[float]
     gen = torch.Generator().manual_seed(seed)
     hidden = model.config.hidden_size
     table = []
-    for layer in layers:
-        x = torch.randn(1, samples, hidden, generator=gen).to(param.device, param.dtype)    # [1, N, H]
-        outputs = []
-        for k in range(1, k_orig + 1):
-            ks = {index.index: (k if index.index == layer.index else k_orig) for index in layers}
-            with apply_plan(model, static_plan(model, ks)):
-                y = layer.block(x)
-            outputs.append((y[0] if isinstance(y, tuple) else y).float().squeeze(0))        # [N, H]
-        full = outputs[-1]
-        table.append([float((y - full).norm(dim=-1).mean()) for y in outputs])
+    with tqdm(total=len(layers) * k_orig, desc="lexi", unit="pass", disable=not progress) as bar:
+        for layer in layers:
+            x = torch.randn(1, samples, hidden, generator=gen).to(param.device, param.dtype)    # [1, N, H]
+            outputs = []
+            for k in range(1, k_orig + 1):
+                ks = {index.index: (k if index.index == layer.index else k_orig) for index in layers}
+                with apply_plan(model, static_plan(model, ks)):
+                    y = layer.block(x)
+                outputs.append((y[0] if isinstance(y, tuple) else y).float().squeeze(0))    # [N, H]
+                bar.update(1)
+            full = outputs[-1]
+            table.append([float((y - full).norm(dim=-1).mean()) for y in outputs])
     return table
 
 
@@ -141,12 +146,17 @@ def _calibration_windows(model, tokenizer, calib_text: str | None, config: Alloc
     return tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens)
 
 
-def _candidate_tables(model, windows, config: AllocateConfig) -> dict[int, torch.Tensor]:
+@torch.no_grad()
+def _candidate_tables(model, windows, config: AllocateConfig, desc: str = "calibrate") -> dict[int, torch.Tensor]:
+    """One full-K pass over the calibration windows (a bar over its batches), recording candidates."""
     fingerprint = model_fingerprint(model)
     recorder = _CandidateRecorder()
+    device = next(model.parameters()).device
     with apply_plan(model, static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])) as handle:
         handle.context.recorders.append(recorder)
-        evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False}, windows=windows)
+        with tqdm(windows.split(config.batch_size), desc=desc, unit="batch", disable=not config.progress) as bar:
+            for batch in bar:
+                model(input_ids=batch.to(device))
     return recorder.tables()
 
 
@@ -218,17 +228,17 @@ def allocate(budget: str | float | Budget, method: str = "auto", *, profile: dic
             return _plan(fingerprint, [StaticTopK(k) for k in ks], method, budget)
         return _plan(fingerprint, [_alloc_t(k, config) for k in ks], method, budget, k_base=config.k_base)
     if method == "lexi":
-        deviation = lexi_deviation(model, config.lexi_samples, config.seed)
+        deviation = lexi_deviation(model, config.lexi_samples, config.seed, progress=config.progress)
         ks = solve_allocation(deviation, budget.activations_per_token)
         return _plan(fingerprint, [StaticTopK(k) for k in ks], method, budget, deviation=deviation)
 
     windows = _calibration_windows(model, tokenizer, calib_text, config)
     if method == "top-p":
-        p, measured = calibrate_top_p(_candidate_tables(model, windows, config), budget)
+        p, measured = calibrate_top_p(_candidate_tables(model, windows, config, desc="top-p"), budget)
         return _plan(fingerprint, [TopP(p=round(p, 6), k=None)] * num_layers, method, budget,
                      calibrated_activations_per_token=round(measured, 4))
     if method == "naee":
-        tables = _candidate_tables(model, windows, config)
+        tables = _candidate_tables(model, windows, config, desc="naee")
         policies = []
         for index in fingerprint["moe_layers"]:
             beta, measured = calibrate_naee(tables[index], budget.per_layer)
@@ -244,13 +254,16 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig) -> Pl
         if k_base <= budget.per_layer:
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
     trials = []
-    for method, k_base in candidates:
-        trial_config = AllocateConfig(**{**asdict(config), "k_base": k_base if k_base is not None else config.k_base})
-        plan = allocate(budget, method, profile=profile, model=model, config=trial_config)
-        with apply_plan(model, plan):
-            ppl = evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False},
-                                      windows=windows).perplexity
-        trials.append({"method": method, "k_base": k_base, "calibration_perplexity": round(ppl, 6), "plan": plan})
+    with tqdm(candidates, desc="auto", unit="trial", disable=not config.progress) as bar:
+        for method, k_base in bar:
+            bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else ""))
+            trial_k_base = config.k_base if k_base is None else k_base
+            trial_config = AllocateConfig(**{**asdict(config), "k_base": trial_k_base})
+            plan = allocate(budget, method, profile=profile, model=model, config=trial_config)
+            with apply_plan(model, plan):
+                ppl = evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False},
+                                          windows=windows).perplexity
+            trials.append({"method": method, "k_base": k_base, "calibration_perplexity": round(ppl, 6), "plan": plan})
     best = min(trials, key=lambda t: t["calibration_perplexity"])
     plan = best["plan"]
     plan.method = "auto"

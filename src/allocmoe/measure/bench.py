@@ -17,12 +17,12 @@ import contextlib
 import platform
 import resource
 import statistics
-import sys
 import time
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from ..routing.apply import allocmoe_experts, apply_plan, routed_experts_off
 from ..errors import AllocMoeError
@@ -204,22 +204,25 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
 
     samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in ("full", "plan", "off")}
     rounds = config.warmup + config.repeats
-    for r in range(rounds):
-        # The three configurations take turns call by call (prefill, then each decode step), in an
-        # order that alternates between rounds, so drift on a shared host falls on all three alike.
-        order = ("full", "plan", "off") if r % 2 == 0 else ("off", "plan", "full")
-        gens = {name: Generation(model, ids, config.output_len) for name in order}
-        prefill = take_turns(order, lambda name: gens[name].prefill())
-        decode = dict.fromkeys(order, 0.0)
-        for _ in range(config.output_len):
-            for name, seconds in take_turns(order, lambda name: gens[name].step()).items():
-                decode[name] += seconds / config.output_len
-        if r >= config.warmup:
-            for name in order:
-                samples[name]["prefill"].append(prefill[name])
-                samples[name]["decode"].append(decode[name])
-        if progress:
-            print(f"bench: round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}", file=sys.stderr)
+    # one tick per call of all three (a prefill or a decode step): time left is right within a round too
+    with tqdm(total=rounds * (1 + config.output_len), desc="bench", unit="step", disable=not progress) as bar:
+        for r in range(rounds):
+            bar.set_postfix_str(f"round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}")
+            # The three configurations take turns call by call (prefill, then each decode step), in an
+            # order that alternates between rounds, so drift on a shared host falls on all three alike.
+            order = ("full", "plan", "off") if r % 2 == 0 else ("off", "plan", "full")
+            gens = {name: Generation(model, ids, config.output_len) for name in order}
+            prefill = take_turns(order, lambda name: gens[name].prefill())
+            bar.update(1)
+            decode = dict.fromkeys(order, 0.0)
+            for _ in range(config.output_len):
+                for name, seconds in take_turns(order, lambda name: gens[name].step()).items():
+                    decode[name] += seconds / config.output_len
+                bar.update(1)
+            if r >= config.warmup:
+                for name in order:
+                    samples[name]["prefill"].append(prefill[name])
+                    samples[name]["decode"].append(decode[name])
 
     fingerprint = model_fingerprint(model)
     full_budget = fingerprint["num_moe_layers"] * fingerprint["k_orig"]
