@@ -113,7 +113,7 @@ def test_bad_files(tiny_folder, profile_file, tmp_path, capsys):
     expect_error(capsys, ["allocate", "--model", str(tiny_folder), "--profile", str(tmp_path / "missing.json"),
                           "--budget", "0.5", "--method", "alloc-l", "--output", str(tmp_path / "p.json")], "not found")
     plan = json.loads(json.dumps({"format_version": 1, "model": {"model_type": "olmoe", "num_moe_layers": 3,
-                      "num_experts": 8, "k_orig": 4, "moe_layers": [0, 1, 2]}, "budget": {"activations_per_token": 6},
+                      "num_experts": 8, "k_orig": 4, "moe_layers": [0, 1, 2]}, "budget": {"activations_per_token": 6, "full": 12, "fraction": 0.5},
                       "method": "x", "layers": {str(i): {"k": 2, "policy": "top-k"} for i in range(3)}}))
     other = tmp_path / "other.json"
     other.write_text(json.dumps(plan))
@@ -123,10 +123,10 @@ def test_bad_files(tiny_folder, profile_file, tmp_path, capsys):
     expect_error(capsys, ["eval", "--model", str(tiny_folder), "--plan", str(other)], "unknown policy 'sparkle'")
     plan["layers"]["0"] = {"k": 9, "policy": "top-k"}
     other.write_text(json.dumps(plan))
-    expect_error(capsys, ["eval", "--model", str(tiny_folder), "--plan", str(other)], "k in [1, 4]")
+    expect_error(capsys, ["eval", "--model", str(tiny_folder), "--plan", str(other)], "layer 0: k 9 is above k_orig 4")
     plan["layers"]["0"] = {"k": 2, "policy": "alloc-t", "k_base": 3}
     other.write_text(json.dumps(plan))
-    expect_error(capsys, ["eval", "--model", str(tiny_folder), "--plan", str(other)], "k_base in [0, k=2]")
+    expect_error(capsys, ["eval", "--model", str(tiny_folder), "--plan", str(other)], "k_base 3 is above k 2")
     empty = tmp_path / "empty.txt"
     empty.write_text("")
     expect_error(capsys, ["eval", "--model", str(tiny_folder), "--text", str(empty)], "is empty")

@@ -11,13 +11,16 @@ at any point recomputes at most the cell it was in.
 
 Profile file (format_version 1): {"format_version", "model": fingerprint, "k_orig", "num_layers",
 "metric": "perplexity", "calibration": {...}, "sensitivity": [[S[i][k] for k in 1..K] ...],
-"provenance": {...}}.
+"provenance": {...}}; the typed document is in core/formats.py, its JSON Schema in
+docs/schemas/profile.schema.json.
 """
 
 from __future__ import annotations
 
 import hashlib
+import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -31,9 +34,10 @@ from ..core.config import checked_config
 from ..errors import AllocMoeError
 from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
+from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
+from ..core.formats import ProfileDocument, validated
 from ..core.plan import check_fingerprint, model_fingerprint
 
-FORMAT_VERSION = 1
 
 
 @dataclass
@@ -79,11 +83,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     run_key = {"model": fingerprint, "calibration": calibration}
 
     partial_path = Path(f"{output}.partial.json") if output else None
-    done: dict[str, float] = {}
-    if partial_path and partial_path.is_file():
-        saved = read_json(partial_path, "partial profile")
-        if isinstance(saved, dict) and saved.get("key") == run_key:
-            done = {str(k): float(v) for k, v in saved.get("cells", {}).items()}
+    done = _resumed_cells(partial_path, run_key) if partial_path else {}
 
     configs = profile_cells(num_layers, k_orig)
     todo = [cfg for cfg in configs if ",".join(map(str, cfg)) not in done]
@@ -119,18 +119,32 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     return profile
 
 
+def _resumed_cells(partial_path: Path, run_key: dict[str, Any]) -> dict[str, float]:
+    """Finished cells of an earlier run with the same model and calibration; none if it differs or is damaged."""
+    if not partial_path.is_file():
+        return {}
+    try:
+        saved = read_json(partial_path, "partial profile")
+        if not (isinstance(saved, dict) and saved.get("key") == run_key):
+            return {}
+        cells = {str(k): float(v) for k, v in saved["cells"].items()}
+        if all(math.isfinite(v) for v in cells.values()):
+            return cells
+    except (AllocMoeError, KeyError, TypeError, ValueError, AttributeError):
+        pass
+    print(f"allocmoe: warning: {partial_path} is damaged; profiling from the start", file=sys.stderr)
+    return {}
+
+
 def load_profile(path: str | os.PathLike, model=None) -> dict[str, Any]:
     """Read and check a profile file; with `model`, refuse a profile of another model."""
-    data = read_json(path, "profile")
-    if not isinstance(data, dict) or data.get("format_version") != FORMAT_VERSION:
-        raise AllocMoeError(f"{path} is not an allocmoe profile (format_version {FORMAT_VERSION}); "
-                            "create one with `allocmoe profile`")
-    table = data.get("sensitivity")
-    num_layers, k_orig = data.get("num_layers"), data.get("k_orig")
-    if (not isinstance(table, list) or len(table) != num_layers
-            or any(not isinstance(row, list) or len(row) != k_orig for row in table)
-            or any(not isinstance(v, (int, float)) for row in table for v in row)):
-        raise AllocMoeError(f"profile {path} is corrupt: 'sensitivity' must be {num_layers} rows of {k_orig} numbers")
+    profile = checked_profile(read_json(path, "profile"), f"profile {path}")
     if model is not None:
-        check_fingerprint(data.get("model", {}), model_fingerprint(model), f"profile {path}")
-    return data
+        check_fingerprint(profile["model"], model_fingerprint(model), f"profile {path}")
+    return profile
+
+
+def checked_profile(data: Any, source: str = "the profile") -> dict[str, Any]:
+    """A profile document (from a file or built in Python) validated field by field, as a plain dict."""
+    doc = validated(ProfileDocument, data, source, FORMAT_VERSION, "create it again with `allocmoe profile`")
+    return doc.model_dump()

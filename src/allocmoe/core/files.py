@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import json
+import math
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,26 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 
 def atomic_write_json(path: str | os.PathLike, obj: Any) -> None:
-    atomic_write_bytes(path, (json.dumps(obj, indent=2) + "\n").encode("utf-8"))
+    """Write `obj` as JSON atomically. JSON has no NaN or infinity: such values are written as null, and
+    one warning line names where they were (a perplexity that overflowed, a correlation of constants)."""
+    clean, where = json_safe(obj)
+    if where:
+        shown = ", ".join(where[:5]) + (f" and {len(where) - 5} more" if len(where) > 5 else "")
+        print(f"allocmoe: warning: {path}: {shown} not finite (NaN or infinity), written as null", file=sys.stderr)
+    atomic_write_bytes(path, (json.dumps(clean, indent=2, allow_nan=False) + "\n").encode("utf-8"))
+
+
+def json_safe(obj: Any, at: str = "") -> tuple[Any, list[str]]:
+    """(`obj` with every non-finite float replaced by None, the dotted paths of those values)."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None, [at or "value"]
+    if isinstance(obj, dict):
+        pairs = [(key, json_safe(value, f"{at}.{key}" if at else str(key))) for key, value in obj.items()]
+        return {key: value for key, (value, _) in pairs}, [p for _, (_, found) in pairs for p in found]
+    if isinstance(obj, (list, tuple)):
+        items = [json_safe(value, f"{at}[{i}]") for i, value in enumerate(obj)]
+        return [value for value, _ in items], [p for _, found in items for p in found]
+    return obj, []
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:

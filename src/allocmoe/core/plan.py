@@ -1,6 +1,7 @@
 """Plans: which policy and budget each MoE layer gets, saved as versioned JSON other tools can read.
 
-File shape (format_version 1):
+File shape (format_version 1; the typed document and its checks are in core/formats.py, its JSON
+Schema in docs/schemas/plan.schema.json):
     {"format_version": 1,
      "model": {"model_type", "num_moe_layers", "num_experts", "k_orig", "moe_layers": [indices]},
      "budget": {"activations_per_token": B, "full": L*K_orig, "fraction": B/full},
@@ -21,9 +22,10 @@ from typing import Any
 
 from ..errors import AllocMoeError
 from .files import atomic_write_json, read_json
-from .policies import Policy, policy_from_dict, policy_to_dict
+from .formats import PLAN_FORMAT_VERSION as FORMAT_VERSION
+from .formats import PlanDocument, validated
+from .policies import Policy, policy_from_entry, policy_to_dict
 
-FORMAT_VERSION = 1
 FINGERPRINT_KEYS = ("model_type", "num_moe_layers", "num_experts", "k_orig", "moe_layers")
 
 
@@ -85,36 +87,24 @@ class Plan:
             "provenance": provenance,
         }
 
+    def to_document(self) -> dict[str, Any]:
+        """`to_dict`, validated as a plan file: a plan that could not be loaded back is never written."""
+        data = self.to_dict()
+        validated(PlanDocument, data, "the plan to write", FORMAT_VERSION, "this is a bug in allocmoe; please report it")
+        return data
+
     @classmethod
     def from_dict(cls, data: Any, source: str = "plan") -> "Plan":
-        if not isinstance(data, dict):
-            raise AllocMoeError(f"{source} is not a plan (expected a JSON object)")
-        version = data.get("format_version")
-        if version != FORMAT_VERSION:
-            raise AllocMoeError(f"{source} has format_version {version!r}; this allocmoe reads version "
-                                f"{FORMAT_VERSION}: recreate the plan with `allocmoe allocate`")
-        for key in ("model", "layers", "budget", "method"):
-            if key not in data:
-                raise AllocMoeError(f"{source} is missing the {key!r} field; recreate the plan")
-        model = data["model"]
-        if not isinstance(model, dict) or any(k not in model for k in FINGERPRINT_KEYS[:4]):
-            raise AllocMoeError(f"{source}: 'model' must hold {', '.join(FINGERPRINT_KEYS[:4])}")
-        k_orig = int(model["k_orig"])
-        layers: dict[int, Policy] = {}
-        for key, entry in dict(data["layers"]).items():
-            if not str(key).lstrip("-").isdigit():
-                raise AllocMoeError(f"{source}: layer key {key!r} is not a layer index")
-            layers[int(key)] = policy_from_dict(entry, k_orig, where=f"{source}, layer {key}")
-        if len(layers) != int(model["num_moe_layers"]):
-            raise AllocMoeError(f"{source} has {len(layers)} layer entries for {model['num_moe_layers']} MoE layers")
-        budget = data["budget"]
-        if not isinstance(budget, dict) or not isinstance(budget.get("activations_per_token"), (int, float)):
-            raise AllocMoeError(f"{source}: budget.activations_per_token must be a number")
-        return cls(model=model, layers=layers, method=str(data["method"]),
-                   budget=float(budget["activations_per_token"]), provenance=dict(data.get("provenance", {})))
+        """Validate a plan document (core/formats.py) and build the plan; AllocMoeError names the first problem."""
+        doc = validated(PlanDocument, data, source, FORMAT_VERSION, "recreate the plan with `allocmoe allocate`")
+        k_orig = doc.model.k_orig
+        layers = {int(key): policy_from_entry(entry, k_orig, where=f"{source}, layer {key}")
+                  for key, entry in doc.layers.items()}
+        return cls(model=doc.model.model_dump(), layers=layers, method=doc.method,
+                   budget=float(doc.budget.activations_per_token), provenance=dict(doc.provenance))
 
     def save(self, path) -> None:
-        atomic_write_json(path, self.to_dict())
+        atomic_write_json(path, self.to_document())
 
     @classmethod
     def load(cls, path, model=None) -> "Plan":

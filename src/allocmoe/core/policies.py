@@ -114,28 +114,24 @@ Policy = StaticTopK | AllocT | TopP | NaeeSkip
 POLICIES: dict[str, type] = {cls.name: cls for cls in (StaticTopK, AllocT, TopP, NaeeSkip)}
 
 
-def policy_from_dict(entry: dict[str, Any], k_orig: int, where: str = "layer") -> Policy:
-    """Build a policy from a plan's layer entry, rejecting unknown names and fields."""
-    if not isinstance(entry, dict) or "policy" not in entry:
-        raise AllocMoeError(f"{where}: each layer entry needs a 'policy' field")
-    name = entry["policy"]
-    cls = POLICIES.get(name)
-    if cls is None:
-        raise AllocMoeError(f"{where}: unknown policy {name!r}; known: {', '.join(POLICIES)}")
-    allowed = {f.name for f in fields(cls)}
-    unknown = set(entry) - allowed - {"policy"}
-    if unknown:
-        raise AllocMoeError(f"{where}: unknown field(s) {sorted(unknown)} for policy {name!r}; allowed: {sorted(allowed)}")
-    args = {key: value for key, value in entry.items() if key != "policy"}
-    if cls is StaticTopK and isinstance(args.get("k"), float) and float(args["k"]).is_integer():
-        args["k"] = int(args["k"])
+def policy_from_dict(entry: Any, k_orig: int, where: str = "layer") -> Policy:
+    """Build a policy from a plan's layer entry (a dict), refusing unknown names, fields and bad values."""
+    from pydantic import TypeAdapter, ValidationError
+
+    from .formats import LayerEntry, describe
+
     try:
-        policy = cls(**args)
-    except TypeError as exc:
-        raise AllocMoeError(f"{where}: {exc}") from None
-    for key, value in args.items():
-        if key != "pool" and value is not None and not isinstance(value, (int, float)):
-            raise AllocMoeError(f"{where}: field {key!r} must be a number, got {value!r}")
+        parsed = TypeAdapter(LayerEntry).validate_python(entry)
+    except ValidationError as exc:
+        raise AllocMoeError(f"{where}: {describe(exc)}") from None
+    return policy_from_entry(parsed, k_orig, where)
+
+
+def policy_from_entry(entry: Any, k_orig: int, where: str = "layer") -> Policy:
+    """A validated layer entry (core/formats.py) -> its policy, checked against this model's K_orig."""
+    cls = POLICIES[entry.policy]
+    args = {f.name: getattr(entry, f.name) for f in fields(cls) if hasattr(entry, f.name)}
+    policy = cls(**args)
     policy.check(k_orig)
     return policy
 
