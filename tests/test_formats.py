@@ -157,6 +157,11 @@ def mutated(draw, base):
 edge_numbers = st.sampled_from([0, 0.5, 1, 1.0, 1.5, 2, 2.5, 3, 4, 4.0, 4.5, 5, 8, 12, 13, -1])
 
 
+def mostly(valid, edge):
+    """Nine draws in ten from `valid`, so whole documents are valid often enough to test acceptance."""
+    return st.integers(0, 9).flatmap(lambda roll: edge if roll == 0 else valid)
+
+
 @st.composite
 def plausible_plans(draw):
     """Whole documents near the edges of validity (about half valid), to test acceptance as hard as refusal."""
@@ -169,18 +174,19 @@ def plausible_plans(draw):
         policy = draw(st.sampled_from(["top-k", "alloc-t", "top-p", "naee"]))
         entry = {"policy": policy}
         if policy == "top-k":
-            entry["k"] = draw(st.integers(0, k_orig + 1) | edge_numbers)
+            entry["k"] = draw(mostly(st.integers(1, k_orig), st.integers(0, k_orig + 1) | edge_numbers))
         elif policy == "alloc-t":
-            entry["k"] = draw(st.floats(0.5, k_orig + 0.5) | edge_numbers)
-            entry.update(draw(st.fixed_dictionaries({}, optional={"k_base": st.integers(-1, 3) | edge_numbers,
-                                                                  "pool": st.sampled_from(["batch", "sequence", "x"])})))
+            entry["k"] = draw(mostly(st.floats(1, k_orig), st.floats(0.5, k_orig + 0.5) | edge_numbers))
+            entry.update(draw(st.fixed_dictionaries({}, optional={
+                "k_base": mostly(st.integers(0, 1), st.integers(-1, 3) | edge_numbers),
+                "pool": mostly(st.sampled_from(["batch", "sequence"]), st.just("x"))})))
         elif policy == "top-p":
-            entry["p"] = draw(st.floats(-0.1, 1.1) | edge_numbers)
+            entry["p"] = draw(mostly(st.floats(0.01, 1), st.floats(-0.1, 1.1) | edge_numbers))
         else:
-            entry["beta"] = draw(st.floats(-0.1, 2.0) | edge_numbers)
+            entry["beta"] = draw(mostly(st.floats(0, 2), st.floats(-0.1, 2.0) | edge_numbers))
         entries[str(index)] = entry
     full = len(layers) * k_orig
-    spend = draw(st.floats(0.0, full * 1.1) | edge_numbers)
+    spend = draw(mostly(st.floats(len(layers), full), st.floats(0.0, full * 1.1) | edge_numbers))
     return {"format_version": 1, "model": fp, "budget": {"activations_per_token": spend, "full": full,
                                                          "fraction": spend / full},
             "method": draw(st.sampled_from(["alloc-moe", "uniform", ""])), "layers": entries}
