@@ -94,5 +94,6 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
         total_nll += float(nll)
         total_tokens += batch[:, 1:].numel()
     mean = total_nll / total_tokens
-    return PerplexityResult(perplexity=math.exp(mean), nll=mean, tokens=total_tokens,
+    # a diverging model can average past exp's range (nll > 709): that perplexity is infinite, not an error
+    return PerplexityResult(perplexity=math.exp(mean) if mean < 709 else math.inf, nll=mean, tokens=total_tokens,
                             windows=int(windows.size(0)), seq_len=int(windows.size(1)))
