@@ -141,16 +141,28 @@ def analyze_plan(model, tokenizer, plan: Plan, windows: torch.Tensor, batch_size
 
 
 def write_analysis(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
+    """analysis.json and analysis.png into `out_dir`, both or neither (report.written_together)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import _save_png
+    from .report import _save_png, written_together
 
     out = Path(out_dir)
     counts, entropy, loads = result.pop("_samples")
-    atomic_write_json(out / "analysis.json", result)
+    fig = _figure(plt, result, counts, entropy, loads)
+    try:
+        with written_together(out) as folder:
+            atomic_write_json(folder / "analysis.json", result)
+            _save_png(fig, folder / "analysis.png")
+    finally:
+        plt.close(fig)
+    return [out / "analysis.json", out / "analysis.png"]
+
+
+def _figure(plt, result: dict[str, Any], counts, entropy, loads):
+    """The three panels: experts vs entropy, per-layer allocation, expert load of the first MoE layer."""
     fig, axes = plt.subplots(1, 3, figsize=(15, 4))
     groups = sorted(set(int(c) for c in counts.tolist()))
     axes[0].boxplot([entropy[counts == g].numpy() for g in groups], positions=groups)
@@ -173,6 +185,4 @@ def write_analysis(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     axes[2].set_title(f"expert load, layer {first} (JS {js:.4f})")
     axes[2].set_xlabel("expert")
     axes[2].legend()
-    _save_png(fig, out / "analysis.png")
-    plt.close(fig)
-    return [out / "analysis.json", out / "analysis.png"]
+    return fig

@@ -1,11 +1,18 @@
 """Turn sweep results into a Markdown table and PNG plots (quality vs measured activations; the
-per-layer allocation each method chose)."""
+per-layer allocation each method chose); write a command's set of result files all together or not
+at all."""
 
 from __future__ import annotations
 
+import contextlib
 import io
+import os
+import shutil
+import signal
+import tempfile
+import threading
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..core.files import atomic_write_bytes
 
@@ -105,3 +112,56 @@ def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
     _save_png(fig, out_dir / "allocations.png")
     plt.close(fig)
     return [out_dir / n for n in ("results.md", "quality_vs_activations.png", "allocations.png")]
+
+
+@contextlib.contextmanager
+def written_together(out: Path) -> Iterator[Path]:
+    """A temporary folder, next to `out`, to write a set of result files into. When the block ends
+    they are moved into `out` together (SIGINT and SIGTERM held off meanwhile), so `out` has all of
+    the new set or none of it, never new files beside old ones; the temporary folder is removed on
+    every exit path (only a SIGKILL or a power cut can leave a hidden `.NAME.*.tmp` folder behind)."""
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    folder = None
+    try:
+        with signals_held():
+            folder = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(folder, 0o777 & ~umask)          # mkdtemp makes 0700; it may become `out` itself
+        yield folder
+        with signals_held():
+            if not out.exists():
+                os.rename(folder, out)
+            else:
+                for item in sorted(folder.iterdir()):
+                    os.replace(item, out / item.name)
+    finally:
+        if folder is not None:
+            with signals_held():
+                shutil.rmtree(folder, ignore_errors=True)
+
+
+@contextlib.contextmanager
+def signals_held() -> Iterator[None]:
+    """SIGINT and SIGTERM that arrive inside the block take effect when it ends. Python runs signal
+    handlers on the main thread only, so elsewhere (where they could not interrupt us) it does nothing."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught: list[int] = []
+    previous: dict[int, Any] = {}
+    try:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            if signal.getsignal(signum) is not None:     # None: set outside Python, could not be put back
+                previous[signum] = signal.signal(signum, lambda number, frame: caught.append(number))
+        yield
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if caught:
+            handler = previous.get(caught[0])
+            if callable(handler):
+                handler(caught[0], None)
+            elif handler != signal.SIG_IGN:          # the default action (or a handler set outside Python)
+                signal.raise_signal(caught[0])

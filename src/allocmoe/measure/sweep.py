@@ -2,12 +2,24 @@
 
 Profiles once (or reuses a profile), then for every budget and method makes a plan, applies it and
 scores perplexity on the evaluation text with the activations actually spent. Writes
-results.json, results.md and PNG plots into the output folder.
+results.json, plans.json, results.md and PNG plots into the output folder.
+
+Stopped at any point (Ctrl-C, SIGTERM, an error), a sweep leaves nothing half-written:
+  * while profiling: only `profile.json.partial.json` in the output folder; a rerun with the same
+    arguments resumes it, skipping the finished cells;
+  * after profiling: only the finished `profile.json`; a rerun with the same model, calibration text
+    and settings reuses it instead of profiling again;
+  * the five result files appear together at the very end or not at all (earlier results in the
+    folder stay whole), by report.written_together: written into a hidden temporary folder next to
+    the output folder, then moved in with SIGINT/SIGTERM held off; that folder is removed on every
+    exit path (only a SIGKILL or a power cut can leave a `.NAME.*.tmp` folder behind).
 """
 
 from __future__ import annotations
 
+import hashlib
 import platform
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -26,7 +38,7 @@ from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windo
 from ..core.files import atomic_write_json
 from ..calibrate.methods import METHODS, AllocateConfig, allocate
 from ..core.plan import model_fingerprint
-from ..calibrate.profile import ProfileConfig, profile_sensitivity
+from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
 
 DEFAULT_BUDGETS = ("1/3", "1/2", "2/3", "5/6")
 
@@ -79,9 +91,13 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     if profile is None and needs_profile:
         profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len,
                                           "batch_size": config.batch_size, "progress": config.progress})
-        partial = Path(output_dir) / "profile.json" if output_dir else None
-        profile = profile_sensitivity(model, tokenizer, calib_text, profile_config, output=partial,
-                                      calib_name=text_names[0])
+        saved = Path(output_dir) / "profile.json" if output_dir else None
+        profile = _finished_profile(saved, model, calib_text, profile_config, text_names[0]) if saved else None
+        if profile is not None and config.progress:
+            print(f"reusing {saved}: same model, calibration text and settings", file=sys.stderr)
+        if profile is None:
+            profile = profile_sensitivity(model, tokenizer, calib_text, profile_config, output=saved,
+                                          calib_name=text_names[0])
     ppl_config = {"batch_size": config.batch_size, "progress": False}
     if config.tasks:
         from .evaluate.harness import run_tasks
@@ -92,31 +108,31 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     full = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
     full_tasks = score_tasks() if config.tasks else None
     alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
-                                  seq_len=seq_len, batch_size=config.batch_size)
+                                  seq_len=seq_len, batch_size=config.batch_size,
+                                  progress=False)      # the sweep's own bar counts the rows
     rows, plans = [], {}
-    bar = tqdm(total=len(budgets) * len(config.methods), desc="sweep", unit="run", disable=not config.progress)
-    for budget in budgets:
-        for method in config.methods:
-            bar.set_postfix(budget=f"{budget.activations_per_token:g}", method=method)
-            plan = allocate(budget, method, profile=profile, model=model, tokenizer=tokenizer,
-                            calib_text=calib_text, config=alloc_config)
-            with apply_plan(model, plan) as handle:
-                result = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
-                measured = handle.activations_per_token()
-                task_scores = score_tasks() if config.tasks else None
-            row = {"method": method, "budget": round(budget.fraction, 6),
-                   "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
-                   "relative_change": result.perplexity / full.perplexity - 1,
-                   "activations_per_token": measured,
-                   "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
-            if task_scores is not None:
-                row["tasks"] = task_scores
-            if method == "auto":
-                row["auto_choice"] = plan.provenance["details"]["chosen"]
-            rows.append(row)
-            plans[f"{method}@{budget.activations_per_token:g}"] = plan.to_dict()
-            bar.update(1)
-    bar.close()
+    with tqdm(total=len(budgets) * len(config.methods), desc="sweep", unit="run", disable=not config.progress) as bar:
+        for budget in budgets:
+            for method in config.methods:
+                bar.set_postfix(budget=f"{budget.activations_per_token:g}", method=method)
+                plan = allocate(budget, method, profile=profile, model=model, tokenizer=tokenizer,
+                                calib_text=calib_text, config=alloc_config)
+                with apply_plan(model, plan) as handle:
+                    result = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
+                    measured = handle.activations_per_token()
+                    task_scores = score_tasks() if config.tasks else None
+                row = {"method": method, "budget": round(budget.fraction, 6),
+                       "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
+                       "relative_change": result.perplexity / full.perplexity - 1,
+                       "activations_per_token": measured,
+                       "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
+                if task_scores is not None:
+                    row["tasks"] = task_scores
+                if method == "auto":
+                    row["auto_choice"] = plan.provenance["details"]["chosen"]
+                rows.append(row)
+                plans[f"{method}@{budget.activations_per_token:g}"] = plan.to_dict()
+                bar.update(1)
     results = {
         "model": {**fingerprint, "name": getattr(model.config, "_name_or_path", "")},
         "full": {"perplexity": full.perplexity, "activations_per_token": float(num_layers * k_orig),
@@ -129,10 +145,25 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         "seconds": round(time.time() - started, 1),
     }
     if output_dir:
-        from .report import write_report
+        from .report import write_report, written_together
 
-        out = Path(output_dir)
-        atomic_write_json(out / "results.json", results)
-        atomic_write_json(out / "plans.json", plans)
-        write_report(results, out)
+        with written_together(Path(output_dir)) as folder:   # all five files, or none of them
+            atomic_write_json(folder / "results.json", results)
+            atomic_write_json(folder / "plans.json", plans)
+            write_report(results, folder)
     return results
+
+
+def _finished_profile(path: Path, model, calib_text: str, config: ProfileConfig, calib_name: str) -> dict | None:
+    """The profile an earlier (killed) sweep finished in `path`, if it is of this model and was made
+    from the same calibration text and settings; None otherwise (then it is profiled again)."""
+    if not path.is_file():
+        return None
+    try:
+        saved = load_profile(path, model)
+    except AllocMoeError:
+        return None
+    calibration = saved.get("calibration") or {}
+    wanted = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
+              "seq_len": config.seq_len, "max_tokens": config.max_tokens, "batch_size": config.batch_size}
+    return saved if all(calibration.get(key) == value for key, value in wanted.items()) else None

@@ -1,0 +1,304 @@
+"""Killing `profile` and `sweep` mid-run, as real processes, with SIGTERM (`kill`) and SIGINT (what
+Ctrl-C sends): exit 130 with one line and no traceback, nothing stray or half-written, and a rerun
+that resumes.
+
+What a killed run leaves, checked here:
+  * `profile --output P.json`: only `P.json.partial.json` (the finished cells); a rerun with the same
+    arguments starts its bar at those cells and ends with the profile an uninterrupted run makes.
+  * `sweep --output DIR`, killed while profiling: only `DIR/profile.json.partial.json`, resumed the
+    same way by a rerun; killed after profiling: only the finished `DIR/profile.json`, which a rerun
+    reuses without profiling again. The result files (results.json, plans.json, results.md, two PNGs)
+    appear together at the end or not at all, and no temporary file or folder is left anywhere.
+
+Each command runs three times on one output: killed by SIGTERM, rerun and killed by SIGINT further
+on, rerun to the end; the profile and sweep runs go side by side to keep the test short.
+"""
+
+import json
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from allocmoe.calibrate.profile import profile_sensitivity
+from allocmoe.models import load_model
+from allocmoe.texts import read_text
+
+WAIT_S = 120                 # bound on every wait; a run here takes seconds
+CALIB = {"seq_len": 256, "max_tokens": 2048, "batch_size": 4}      # 10 cells of a tenth of a second or so
+CELLS = 3 * 4 - 2            # the tiny model: 3 MoE layers, K = 4
+RESULTS = {"results.json", "plans.json", "results.md", "quality_vs_activations.png", "allocations.png"}
+INTERRUPTED = "allocmoe: interrupted (a profile resumes from its .partial.json when rerun)"
+BAR = r"[\w .-]+:\s+\d+%\|[^|\r\n]*\|[^\]\r\n]*\]"                 # one tqdm frame
+
+
+def _argv(command, model, out):
+    common = ["--model", str(model), "--calib-tokens", str(CALIB["max_tokens"]), "--seq-len", str(CALIB["seq_len"])]
+    if command == "profile":
+        return ["profile", *common, "--output", str(out / "p.json")]
+    return ["sweep", *common, "--budgets", "1/2,2/3", "--methods", "uniform,alloc-moe,top-p", "--eval-tokens", "1024",
+            "--output", str(out / "sweep")]
+
+
+def _cells(partial):
+    """Finished cells in a profile's partial file (None if there is none)."""
+    try:
+        return len(json.loads(partial.read_text())["cells"])
+    except FileNotFoundError:
+        return None
+
+
+PARTIAL = {"profile": "p.json.partial.json", "sweep": "sweep/profile.json.partial.json"}
+
+
+def _mid_run(command, step, root, cells_before):
+    """When to send the signal: run 1 as soon as a cell is saved; run 2 (resumed) once it has saved one
+    more cell (profile) or finished profiling (sweep)."""
+    if step == 0:
+        return (root / PARTIAL[command]).exists()
+    if command == "profile":
+        return (_cells(root / PARTIAL[command]) or 0) > cells_before
+    return (root / "sweep" / "profile.json").exists()
+
+
+# step -> (signal, --quiet); the last run is not killed
+STEPS = [(signal.SIGTERM, True), (signal.SIGINT, False), (None, False)]
+
+
+class Run:
+    """`python -m allocmoe ARGV` in its own session, stdout and stderr to files (a pipe could fill and stall it)."""
+
+    def __init__(self, argv, logs, name):
+        self.out, self.err = logs / f"{name}.out", logs / f"{name}.err"
+        env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}   # 1 thread, as in-process
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "allocmoe", *argv], stdout=out, stderr=err,
+                                         env=env, start_new_session=True)
+
+    def finish(self, deadline):
+        try:
+            self.proc.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        finally:
+            self.kill()
+        return {"rc": self.proc.returncode, "out": self.out.read_text(), "err": self.err.read_text()}
+
+    def kill(self):
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait()
+
+
+def _files(root):
+    """Every file and folder under `root`, hidden ones too, as relative paths."""
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def _messages(err):
+    """stderr as a reader sees it, progress-bar frames taken out: the lines left."""
+    return [line.strip() for line in re.split(r"[\r\n]", re.sub(BAR, "", err)) if line.strip()]
+
+
+def _first_profile_bar(err):
+    found = re.search(r"profile:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)", err)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+@pytest.fixture(scope="module")
+def runs(tiny_folder, tmp_path_factory):
+    """{command: [run 1, run 2, run 3]}, each with rc, out, err, the files it left, the finished cells
+    it found and left, and the profile it wrote; and an uninterrupted profile made in this process."""
+    root = tmp_path_factory.mktemp("interrupts")
+    logs = root / "logs"
+    logs.mkdir()
+    record = {command: [] for command in PARTIAL}
+    live = []
+    reference = None
+    try:
+        for step, (sig, quiet) in enumerate(STEPS):
+            started = {}
+            for command in record:
+                out = root / command
+                out.mkdir(exist_ok=True)
+                cells = _cells(out / PARTIAL[command])
+                run = Run(_argv(command, tiny_folder, out) + (["--quiet"] if quiet else []), logs, f"{command}{step}")
+                live.append(run)
+                started[command] = (run, cells)
+            deadline = time.monotonic() + WAIT_S
+            pending = dict(started) if sig else {}
+            while pending and time.monotonic() < deadline:         # signal each as soon as it is mid-run
+                for command, (run, cells) in list(pending.items()):
+                    if _mid_run(command, step, root / command, cells or 0) or run.proc.poll() is not None:
+                        run.proc.send_signal(sig)
+                        del pending[command]
+                time.sleep(0.01)
+            assert not pending, f"never got mid-run: {sorted(pending)}"
+            if step == len(STEPS) - 1:                             # the uninterrupted profile, meanwhile
+                model, tok = load_model(tiny_folder)
+                text, name = read_text(None, "calibration")
+                reference = profile_sensitivity(model, tok, text, {**CALIB, "progress": False}, calib_name=name)
+            for command, (run, cells) in started.items():
+                result = run.finish(deadline)
+                made = root / command / ("p.json" if command == "profile" else "sweep/profile.json")
+                results = root / command / "sweep" / "results.json"
+                result.update(results=json.loads(results.read_text()) if results.exists() else None,
+                              cells_found=cells, cells_left=_cells(root / command / PARTIAL[command]),
+                              left=_files(root / command),
+                              profile=made.read_bytes() if made.exists() else None)
+                record[command].append(result)
+    finally:
+        for run in live:
+            run.kill()
+    return record, reference
+
+
+KILLED = [(command, step) for command in PARTIAL for step in (0, 1)]
+
+
+@pytest.mark.parametrize("command,step", KILLED)
+def test_a_killed_run_exits_130_with_one_line_and_no_traceback(runs, command, step):
+    killed = runs[0][command][step]
+    assert killed["rc"] == 130, killed["err"]
+    assert "Traceback" not in killed["err"] and killed["out"] == ""
+    assert _messages(killed["err"]) == [INTERRUPTED], killed["err"]
+
+
+@pytest.mark.parametrize("command,step", [
+    pytest.param(*case, marks=pytest.mark.xfail(
+        case == ("profile", 1), strict=True,
+        reason="profile.py's bar is not closed when a cell is interrupted, so the CLI's message lands on the bar's "
+               "line and the bar is drawn again after it; the fix: `with tqdm(...) as bar:` around the cell loop "
+               "(then drop this mark)")) for case in KILLED])
+def test_the_interrupted_message_is_the_last_line_and_a_line_of_its_own(runs, command, step):
+    killed = runs[0][command][step]
+    assert re.split(r"[\r\n]", killed["err"].rstrip("\r\n"))[-1] == INTERRUPTED, killed["err"]
+
+
+def test_a_killed_profile_leaves_only_its_partial_and_resumes_to_the_uninterrupted_profile(runs):
+    record, reference = runs
+    first, second, last = record["profile"]
+    for killed in (first, second):
+        assert killed["left"] == ["p.json.partial.json"]           # no p.json, no .tmp
+    assert 1 <= first["cells_left"] < second["cells_left"] < CELLS
+    assert _first_profile_bar(second["err"]) == (first["cells_left"], CELLS)    # finished cells skipped
+    assert _first_profile_bar(last["err"]) == (second["cells_left"], CELLS)
+    assert last["rc"] == 0, last["err"]
+    assert last["left"] == ["p.json"]                                # the partial is gone
+    assert json.loads(last["profile"])["sensitivity"] == reference["sensitivity"]
+
+
+def test_a_killed_sweep_leaves_only_its_profile_and_resumes_without_profiling_again(runs):
+    record, reference = runs
+    first, second, last = record["sweep"]
+    assert first["left"] == ["sweep", "sweep/profile.json.partial.json"]      # killed while profiling
+    assert _first_profile_bar(second["err"]) == (first["cells_left"], CELLS)
+    assert second["left"] == ["sweep", "sweep/profile.json"]                  # killed after: no results, no temp
+    assert last["rc"] == 0, last["err"]
+    assert _first_profile_bar(last["err"]) is None and "reusing" in last["err"]   # the finished profile
+    assert last["profile"] == second["profile"]
+    assert last["left"] == ["sweep"] + sorted(f"sweep/{name}" for name in RESULTS | {"profile.json"})
+    assert json.loads(last["profile"])["sensitivity"] == reference["sensitivity"]
+    assert [(row["method"], row["budget_activations"]) for row in last["results"]["rows"]] == [
+        (method, budget) for budget in (6, 8) for method in ("uniform", "alloc-moe", "top-p")]
+
+
+# -- in this process: the result files are swapped in whole, signals wait for it --------------------------
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    return load_model(tiny_folder)
+
+
+def _sweep(tiny, out, budget):
+    from allocmoe.measure.sweep import sweep
+
+    model, tok = tiny
+    text = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))
+    return sweep(model, tok, text, text, {"budgets": (budget,), "methods": ("uniform",), "eval_max_tokens": 128,
+                                          "seq_len": 32, "progress": False}, output_dir=out)
+
+
+def _interrupt_the_second_plot(monkeypatch):
+    from allocmoe.measure import report
+
+    save, calls = report._save_png, []
+
+    def interrupted(fig, path):
+        calls.append(path)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        save(fig, path)
+    monkeypatch.setattr(report, "_save_png", interrupted)
+    return calls
+
+
+def test_a_sweep_interrupted_while_writing_leaves_the_earlier_results_whole_and_no_temporary_folder(
+        tiny, tmp_path, monkeypatch):
+    out = tmp_path / "sweep"
+    _sweep(tiny, out, "1/2")
+    before = {name: (out / name).read_bytes() for name in RESULTS}
+    assert set(before) == RESULTS
+    calls = _interrupt_the_second_plot(monkeypatch)
+    with pytest.raises(KeyboardInterrupt):
+        _sweep(tiny, out, "1/3")
+    assert len(calls) == 2                                      # results.json, plans.json, results.md were written
+    assert _files(tmp_path) == ["sweep"] + sorted(f"sweep/{name}" for name in RESULTS)
+    assert {name: (out / name).read_bytes() for name in RESULTS} == before
+
+
+def test_a_new_output_folder_appears_whole_or_not_at_all(tiny, tmp_path, monkeypatch):
+    out = tmp_path / "deeper" / "sweep"
+    with monkeypatch.context() as patch:
+        _interrupt_the_second_plot(patch)
+        with pytest.raises(KeyboardInterrupt):
+            _sweep(tiny, out, "1/2")
+    assert _files(tmp_path) == ["deeper"]
+    _sweep(tiny, out, "1/2")
+    assert _files(out) == sorted(RESULTS)
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o777 & ~umask          # a usual folder, not mkdtemp's 0700
+
+
+def test_an_analysis_interrupted_while_writing_leaves_nothing(tiny, tmp_path, monkeypatch):
+    from allocmoe.calibrate.methods import allocate
+    from allocmoe.measure.analyze import analyze_plan, write_analysis
+    from allocmoe.measure.evaluate import tokenize_windows
+
+    model, tok = tiny
+    text = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))
+    result = analyze_plan(model, tok, allocate("0.5", "uniform", model=model), tokenize_windows(tok, text, 32, 128),
+                          progress=False)
+    calls = _interrupt_the_second_plot(monkeypatch)
+    calls.append("pretend one plot was saved")                  # the next (analysis.png) is interrupted
+    with pytest.raises(KeyboardInterrupt):
+        write_analysis(dict(result), tmp_path / "analysis")
+    assert _files(tmp_path) == []                               # analysis.json was not left alone
+    monkeypatch.undo()
+    write_analysis(result, tmp_path / "analysis")
+    assert _files(tmp_path) == ["analysis", "analysis/analysis.json", "analysis/analysis.png"]
+
+
+def test_sigint_and_sigterm_wait_until_the_held_block_ends():
+    from allocmoe.measure.report import signals_held
+
+    seen = []
+    previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    try:
+        with signals_held():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)
+            assert seen == []
+        assert seen == [signal.SIGTERM]
+        finished = False
+        with pytest.raises(KeyboardInterrupt):
+            with signals_held():
+                os.kill(os.getpid(), signal.SIGINT)
+                time.sleep(0.05)
+                finished = True
+        assert finished
+        assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    finally:
+        signal.signal(signal.SIGTERM, previous)
