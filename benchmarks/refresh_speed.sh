@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Rerun every CPU speed figure the README quotes and write its JSON under docs/speed/ (about 130
-# minutes on 2 cores, 13 GiB of memory). Then update the README's speed tables from the printout.
+# Rerun every CPU speed figure docs/speed.md quotes and write its JSON under docs/speed/ (about 130
+# minutes on 2 cores, 13 GiB of memory). Then update docs/speed.md (and the README's at-a-glance table) from the printout.
 #
 #     bash benchmarks/refresh_speed.sh
 #
@@ -31,11 +31,11 @@ for run in 256:15 1024:7; do
   IFS=: read -r len rounds <<< "$run"
   dsv2_cli "prefill$len" "$len" 1 "$(( REPEATS * rounds / 5 ))"
 done
-# decode after 256 and 1,024 tokens once more (the README's quiet-hour decode rows; about 13 and 25 minutes)
+# decode after 256 and 1,024 tokens once more (docs/speed.md's quiet-hour decode rows; about 13 and 25 minutes)
 for len in $LENGTHS; do
   dsv2_cli "decode$len" "$len" 32 "$REPEATS"
 done
-# two more shapes through the CLI, 3 repeats each (the README's second table)
+# two more shapes through the CLI, 3 repeats each (docs/speed.md's second table)
 for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do
   IFS=: read -r short name <<< "$shape"
   for method in uniform alloc-t; do

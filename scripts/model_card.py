@@ -1,6 +1,6 @@
 """Measure the built-in model's card: test perplexity at uniform K = 1..K_orig, expert load per layer,
 determinism, and the training curve's last-fifth improvement. Writes builtin/model/card.json and
-prints the Markdown for the README.
+prints the Markdown for docs/builtin-model.md.
 
     python scripts/model_card.py
 """

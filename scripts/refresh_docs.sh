@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# Rerun every measurement the README quotes about the built-in model, from the shipped model, and
+# Rerun every measurement docs/ quote about the built-in model (builtin-model.md, sweep.md, tasks.md, analysis.md), from the shipped model, and
 # write it under docs/ and builtin/model/card.json. About 40 minutes on 2 CPU cores; needs the [eval]
-# extra. Run it after retraining the model (scripts/train_builtin.py), then update the README tables.
+# extra. Run it after retraining the model (scripts/train_builtin.py), then update those pages and the README's results table.
 #
 #     bash scripts/refresh_docs.sh
 set -euo pipefail
