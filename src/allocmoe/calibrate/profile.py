@@ -5,14 +5,25 @@ every deeper layer at top-1, and the calibration perplexity is recorded as S[i][
 layers to top-1 stops them compensating for layer i. Layer i at k=1 is the configuration of layer
 i-1 at K_orig, so those L-1 cells are measured once: L*K - (L-1) perplexity runs in all.
 
+Prefix cache (ProfileConfig.prefix_cache, on by default): before layer i every cell of layer i runs
+the unmodified model, so the hidden states entering layer i are computed once and each cell runs
+only from there (calibrate/prefix.py); the states of one layer are held at a time. The numbers are
+the naive ones (bit for bit on CPU); a model that cannot start a pass at a layer exactly is
+profiled the naive way, every cell a full pass, with a warning. Work is counted in decoder-layer
+passes (tokens x decoder layers) and recorded beside what the naive protocol runs for the same cells.
+
 Resuming: after every cell the finished cells are written atomically to `<output>.partial.json`
-with the arguments that produced them; a rerun with the same arguments skips them, so a run killed
-at any point recomputes at most the cell it was in.
+with the arguments that produced them; a rerun with the same arguments skips them (recomputing the
+held states up to the first unfinished layer in one pass), so a run killed at any point recomputes
+at most the cell it was in.
 
 Profile file (format_version 1): {"format_version", "model": fingerprint, "k_orig", "num_layers",
 "metric": "perplexity", "calibration": {...}, "sensitivity": [[S[i][k] for k in 1..K] ...],
 "provenance": {...}}; the typed document is in core/formats.py, its JSON Schema in
-docs/schemas/profile.schema.json.
+docs/schemas/profile.schema.json. Provenance of this run: configurations_run (all) and
+configurations_resumed (finished by an earlier run), prefix_cache (asked for and never refused)
+and prefix_cache_refused (why it was), layer_passes and naive_layer_passes (this run's cells),
+decoder_layers, peak_cache_bytes (hidden states held at once), seconds_this_run, config.
 """
 
 from __future__ import annotations
@@ -22,6 +33,7 @@ import math
 import os
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
@@ -37,6 +49,8 @@ from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
 from ..core.plan import check_fingerprint, model_fingerprint
+from .prefix import (PrefixCacheUnsupported, PrefixStates, layer_passes, profile_schedule, start_position,
+                     step_layer_passes)
 
 
 
@@ -46,6 +60,7 @@ class ProfileConfig:
     max_tokens: int = 8192         # calibration tokens scored per configuration (the paper does not say)
     batch_size: int = 4            # windows per forward pass
     progress: bool = True          # show a progress bar with cells done and time left
+    prefix_cache: bool = True      # start each cell at its layer from states computed once: same numbers, half the work
 
     def __post_init__(self):
         for name in ("seq_len", "max_tokens", "batch_size"):
@@ -84,39 +99,145 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
 
     partial_path = Path(f"{output}.partial.json") if output else None
     done = _resumed_cells(partial_path, run_key) if partial_path else {}
-
     configs = profile_cells(num_layers, k_orig)
-    todo = [cfg for cfg in configs if ",".join(map(str, cfg)) not in done]
+    todo = [cfg for cfg in configs if _key(cfg) not in done]
+
     started = time.time()
-    bar = tqdm(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
-               disable=not config.progress)
-    ppl_config = {"batch_size": config.batch_size, "progress": False}
-    for cfg in todo:
-        with apply_plan(model, static_plan(model, list(cfg), method="profile")):
-            ppl = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=windows).perplexity
-        done[",".join(map(str, cfg))] = ppl
-        if partial_path:
-            atomic_write_json(partial_path, {"key": run_key, "cells": done})
-        bar.update(1)
-        if on_cell:
-            on_cell(*configs[cfg][0])
-    bar.close()
+    run = _ProfileRun(model, tokenizer, windows, config, fingerprint, todo)
+    bar = _CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
+                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+                   disable=not config.progress, work_total=run.planned_passes())
+    try:
+        for cfg, ppl in run.cells(bar):
+            done[_key(cfg)] = ppl
+            if partial_path:
+                atomic_write_json(partial_path, {"key": run_key, "cells": done})
+            bar.update(1)
+            if on_cell:
+                on_cell(*configs[cfg][0])
+    finally:
+        bar.close()
+        run.release()
 
     sensitivity = [[0.0] * k_orig for _ in range(num_layers)]
     for cfg, filled in configs.items():
         for layer, k in filled:
-            sensitivity[layer][k - 1] = done[",".join(map(str, cfg))]
+            sensitivity[layer][k - 1] = done[_key(cfg)]
     profile = {
         "format_version": FORMAT_VERSION, "model": fingerprint, "k_orig": k_orig, "num_layers": num_layers,
         "metric": "perplexity", "calibration": calibration, "sensitivity": sensitivity,
-        "provenance": {"configurations_run": len(configs), "seconds_this_run": round(time.time() - started, 1),
-                       "config": asdict(config), "torch_threads": torch.get_num_threads()},
+        "provenance": {"configurations_run": len(configs), "configurations_resumed": len(configs) - len(todo),
+                       "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
+                       "torch_threads": torch.get_num_threads(), **run.provenance()},
     }
     if output:
         atomic_write_json(output, profile)
         if partial_path and partial_path.exists():
             partial_path.unlink()
     return profile
+
+
+def _key(configuration: tuple[int, ...]) -> str:
+    return ",".join(map(str, configuration))
+
+
+class _ProfileRun:
+    """The passes of one profiling run: the prefix-cached schedule when the model allows it, full
+    passes otherwise (or from the moment the prefix cache is refused), with the work they cost."""
+
+    def __init__(self, model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fingerprint: dict[str, Any],
+                 todo: list[tuple[int, ...]]):
+        self.model, self.tokenizer, self.windows, self.config = model, tokenizer, windows, config
+        self.moe_layers, self.k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
+        self.num_decoder_layers = int(getattr(model.config, "num_hidden_layers", max(self.moe_layers) + 1))
+        self.tokens, self.check_tokens = int(windows.numel()), int(windows[:config.batch_size].numel())
+        self.prefix: PrefixStates | None = None
+        self.refused: str | None = None
+        if config.prefix_cache and todo:
+            try:
+                self.prefix = PrefixStates(model, windows, config.batch_size)
+            except PrefixCacheUnsupported as exc:
+                self._refuse(exc)
+        self.steps = profile_schedule(todo, self.moe_layers, self.num_decoder_layers, self.k_orig,
+                                      prefix_cache=self.prefix is not None)
+        self.passes, self.naive_passes = 0, 0
+
+    def planned_passes(self) -> int:
+        return layer_passes(self.steps, self.tokens, self.check_tokens)
+
+    def _refuse(self, exc: Exception) -> None:
+        self.refused = str(exc)
+        print(f"allocmoe: warning: no prefix cache for this model ({exc}); every cell runs the whole model",
+              file=sys.stderr)
+        if self.prefix is not None:
+            self.prefix.release()
+        self.prefix = None
+
+    def cells(self, bar: "_CellBar"):
+        """Run the schedule, yielding (configuration, perplexity) as each cell finishes."""
+        ppl_config = {"batch_size": self.config.batch_size, "progress": False}
+        index = 0
+        while index < len(self.steps):
+            step = self.steps[index]
+            try:
+                if step.kind == "advance":
+                    self.prefix.advance(step.stop)
+                elif step.kind == "check":
+                    self.prefix.check(step.start)
+                else:
+                    bar.set_postfix_str(f"MoE layer {start_position(step.configuration, self.k_orig) + 1}"
+                                        f"/{len(self.moe_layers)}", refresh=False)
+                    start = self.prefix.passes_from(step.start) if step.start else nullcontext()
+                    with apply_plan(self.model, static_plan(self.model, list(step.configuration), method="profile")):
+                        with start:
+                            ppl = evaluate_perplexity(self.model, self.tokenizer, "", ppl_config,
+                                                      windows=self.windows).perplexity
+            except PrefixCacheUnsupported as exc:   # the rest of the cells as full passes
+                self._refuse(exc)
+                rest = [later.configuration for later in self.steps[index:] if later.kind == "cell"]
+                self.steps[index:] = profile_schedule(rest, self.moe_layers, self.num_decoder_layers, self.k_orig,
+                                                      prefix_cache=False)
+                bar.work_total = self.passes + layer_passes(self.steps[index:], self.tokens, self.check_tokens)
+                continue
+            work = step_layer_passes(step, self.tokens, self.check_tokens)
+            self.passes += work
+            bar.work_done += work
+            index += 1
+            if step.kind == "cell":
+                self.naive_passes += self.tokens * self.num_decoder_layers
+                yield step.configuration, ppl
+
+    def release(self) -> None:
+        if self.prefix is not None:
+            self.prefix.release()
+
+    def provenance(self) -> dict[str, Any]:
+        """Work in decoder-layer passes (tokens x decoder layers) this run made, beside what full
+        passes for the same cells make; the most bytes of hidden states held at once."""
+        facts = {"prefix_cache": self.config.prefix_cache and self.refused is None, "layer_passes": self.passes,
+                 "naive_layer_passes": self.naive_passes, "decoder_layers": self.num_decoder_layers,
+                 "peak_cache_bytes": self.prefix.peak_bytes if self.prefix is not None else 0}
+        if self.refused:
+            facts["prefix_cache_refused"] = self.refused
+        return facts
+
+
+class _CellBar(tqdm):
+    """Cells done of all cells, with time left from the work left rather than the cells left: a
+    cell of a deep layer runs few decoder layers, so counting cells would overstate it."""
+
+    def __init__(self, *args, work_total: int, **kwargs):
+        self.work_total, self.work_done = work_total, 0
+        super().__init__(*args, **kwargs)
+
+    @property
+    def format_dict(self):
+        facts = super().format_dict
+        cells_left = (facts.get("total") or 0) - facts["n"]
+        if self.work_done and facts.get("elapsed") and cells_left > 0:
+            seconds_left = (self.work_total - self.work_done) * facts["elapsed"] / self.work_done
+            facts["rate"] = cells_left / seconds_left if seconds_left > 0 else None  # tqdm: left = cells / rate
+        return facts
 
 
 def _resumed_cells(partial_path: Path, run_key: dict[str, Any]) -> dict[str, float]:
