@@ -166,13 +166,9 @@ def test_a_killed_run_exits_130_with_one_line_and_no_traceback(runs, command, st
     assert _messages(killed["err"]) == [INTERRUPTED], killed["err"]
 
 
-@pytest.mark.parametrize("command,step", [
-    pytest.param(*case, marks=pytest.mark.xfail(
-        case == ("profile", 1), strict=True,
-        reason="profile.py's bar is not closed when a cell is interrupted, so the CLI's message lands on the bar's "
-               "line and the bar is drawn again after it; the fix: `with tqdm(...) as bar:` around the cell loop "
-               "(then drop this mark)")) for case in KILLED])
+@pytest.mark.parametrize("command,step", KILLED)
 def test_the_interrupted_message_is_the_last_line_and_a_line_of_its_own(runs, command, step):
+    # every bar is closed as the interrupt unwinds: not drawn again after the message, nor glued to it
     killed = runs[0][command][step]
     assert re.split(r"[\r\n]", killed["err"].rstrip("\r\n"))[-1] == INTERRUPTED, killed["err"]
 
