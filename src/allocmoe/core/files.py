@@ -17,8 +17,9 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename over `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
+    tmp = None
+    try:             # mkstemp inside the try: an interrupt right after it still removes the file
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
         umask = os.umask(0)
@@ -26,7 +27,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         os.chmod(tmp, 0o666 & ~umask)          # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
-        if os.path.exists(tmp):
+        if tmp is not None and os.path.exists(tmp):
             os.unlink(tmp)
         raise
 

@@ -100,7 +100,8 @@ class PlanRegistry:
             if self._budget_plans >= self.max_budget_plans:
                 raise AllocMoeError(f"this server already holds {self.max_budget_plans} plans made for budgets; "
                                     "ask for one of those budgets (see GET /v1/models) or name a plan")
-            plan = allocate(parsed, method, profile=self.profile, model=self.model)
+            plan = allocate(parsed, method, profile=self.profile, model=self.model,
+                            config={"progress": False})    # no bars in a server's log
             index = self.handle.add_plan(per_sequence(plan))
             self._by_name[name] = index
             self._budget_plans += 1
