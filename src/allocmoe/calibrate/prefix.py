@@ -3,17 +3,19 @@ the unmodified model does (all at K_orig), so their output is computed once and 
 i runs only from decoder layer d_i (layer i's index in the model) to the end.
 
 What is held is the hidden states entering one decoder layer (one [b, S, H] tensor per calibration
-batch), never more: when the cells of a layer are done the states are advanced through the
-unmodified model to the next layer's entry, batch by batch, each batch replacing its own.
+batch), and while advancing one batch more: when the cells of a layer are done the states are
+advanced through the unmodified model to the next layer's entry, batch by batch, each batch
+replacing its own.
 
 How a pass starts at decoder layer d without touching model code: the layers before d get an
 instance `forward` that hands its input through, and a forward pre-hook on layer d swaps its input
 for the held states of the current batch. Everything the model derives from the input (embedding,
 causal and sliding-window masks, rotary tables, per-index layer types) is computed as in a full
 pass, so layer d and every layer after it see exactly what a full pass shows them. Before the first
-cell relies on this, one batch checks it: the logits of a pass started at d against a full pass. A
-model where they differ, or whose decoder stack is not `model.model.layers`, raises
-PrefixCacheUnsupported and the profile falls back to full passes.
+cell relies on this, one window checks it: the logits of a pass started at d against a full pass,
+with another window run between them so that state a skipped layer leaves behind is stale, as it
+would be in a cell. A model where they differ, or whose decoder stack is not `model.model.layers`,
+raises PrefixCacheUnsupported and the profile falls back to full passes.
 
 Not here: which configurations to run (profile.profile_cells) and the perplexity itself
 (measure/evaluate/perplexity.py, called unchanged so a cell's number is the naive one).
@@ -34,7 +36,7 @@ from torch import nn
 from ..core.plan import model_fingerprint
 from ..routing.apply import apply_plan, static_plan
 
-CHECK_TOLERANCE = 1e-4     # relative difference of one batch's logits, started at d vs a full pass
+CHECK_TOLERANCE = 1e-4     # relative difference of one window's logits, started at d vs a full pass
 
 
 class PrefixCacheUnsupported(Exception):
@@ -78,10 +80,10 @@ def profile_schedule(configurations: list[tuple[int, ...]], moe_layers: list[int
 
 
 def step_layer_passes(step: Step, tokens: int, check_tokens: int) -> int:
-    """Decoder-layer passes of one step: `tokens` through its layers; a check runs its first batch
-    (`check_tokens`) twice, once in full and once from `start`."""
+    """Decoder-layer passes of one step: `tokens` through its layers; a check runs one window
+    (`check_tokens`, the window length) in full, its reverse up to `start`, and the window from `start`."""
     if step.kind == "check":
-        return check_tokens * (step.stop + step.stop - step.start)
+        return check_tokens * (step.stop + step.start + step.stop - step.start)
     return tokens * (step.stop - step.start)
 
 
@@ -210,16 +212,23 @@ class PrefixStates:
 
     @torch.no_grad()
     def check(self, start: int) -> float:
-        """Relative difference of the first batch's logits [b, S, V], a pass started at `start` from
-        the held states against a full pass; refuses the model past CHECK_TOLERANCE."""
+        """Relative difference of the first window's logits [1, S, V], a pass started at `start` from
+        the held states against a full pass; refuses the model past CHECK_TOLERANCE. Between the
+        two, the reversed window runs up to `start`, so a layer that leaves state for deeper layers
+        has left another window's there, as it would have for every cell."""
         if start != self.held_at:
             raise PrefixCacheUnsupported(f"states are held at decoder layer {self.held_at}, not {start}")
-        batch = self.batches[0].to(next(self.model.parameters()).device)
+        window = self.batches[0][:1].to(next(self.model.parameters()).device)                # [1, S]
         try:
             with self._unmodified():
-                full = self.model(input_ids=batch).logits.float()
-                with started_at(self.model, start, self.states[:1]):
-                    cached = self.model(input_ids=batch).logits.float()
+                full = self.model(input_ids=window).logits.float()
+                with _capture_before(self.model, start, []):
+                    try:
+                        self.model(input_ids=window.flip(-1))
+                    except _Captured:
+                        pass
+                with started_at(self.model, start, [self.states[0][:1]]):
+                    cached = self.model(input_ids=window).logits.float()
             difference = float((cached - full).norm() / full.norm().clamp_min(1e-30))
         except PrefixCacheUnsupported:
             raise

@@ -150,7 +150,7 @@ class _ProfileRun:
         self.model, self.tokenizer, self.windows, self.config = model, tokenizer, windows, config
         self.moe_layers, self.k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
         self.num_decoder_layers = int(getattr(model.config, "num_hidden_layers", max(self.moe_layers) + 1))
-        self.tokens, self.check_tokens = int(windows.numel()), int(windows[:config.batch_size].numel())
+        self.tokens, self.check_tokens = int(windows.numel()), int(windows.size(1))   # the check: one window
         self.prefix: PrefixStates | None = None
         self.refused: str | None = None
         if config.prefix_cache and todo:
