@@ -7,7 +7,6 @@ import io
 import pytest
 import torch
 
-import allocmoe.calibrate.prefix as prefix
 from allocmoe.calibrate.prefix import layer_passes, naive_layer_passes, profile_schedule
 from allocmoe.calibrate.profile import _CellBar, profile_cells, profile_sensitivity
 from conftest import FAMILIES, build_tiny, train_tiny_tokenizer
@@ -67,8 +66,8 @@ def test_the_work_counted_is_the_work_run_and_the_schedule_predicts_it(tok, fami
     moe_layers = [1, 2, 3] if family == "deepseek_v2" else [0, 1, 2, 3]
     steps = profile_schedule(list(profile_cells(len(moe_layers), fp.num_experts_per_tok)), moe_layers, 4,
                              fp.num_experts_per_tok, prefix_cache=cached)
-    tokens, first_batch = 8 * 32, 3 * 32
-    assert layer_passes(steps, tokens, first_batch) == facts["layer_passes"]
+    tokens, window = 8 * 32, 32
+    assert layer_passes(steps, tokens, window) == facts["layer_passes"]
     assert naive_layer_passes(steps, tokens, 4) == facts["naive_layer_passes"]
 
 
@@ -76,7 +75,7 @@ def test_a_deepseek_v2_lite_shaped_profile_costs_at_most_0_55_of_the_naive_one()
     moe_layers, k_orig, tokens = list(range(1, 27)), 6, 8192        # 27 decoder layers, the first dense
     steps = profile_schedule(list(profile_cells(26, k_orig)), moe_layers, 27, k_orig)
     assert sum(step.kind == "cell" for step in steps) == 26 * 6 - 25
-    assert layer_passes(steps, tokens, tokens) <= 0.55 * naive_layer_passes(steps, tokens, 27)
+    assert layer_passes(steps, tokens, 2048) <= 0.55 * naive_layer_passes(steps, tokens, 27)
 
 
 def test_the_states_of_one_layer_and_one_batch_are_held_at_most(tok):
@@ -112,10 +111,23 @@ def test_a_kill_mid_layer_resumes_to_the_same_table(tok, tmp_path, family, kill_
     assert relative_difference(resumed["sensitivity"], reference["sensitivity"]) < 1e-5
 
 
-def test_a_model_that_fails_the_check_is_profiled_the_naive_way_with_a_warning(tok, monkeypatch, capsys):
-    model = tiny("deepseek_v2", tok)
+def test_a_model_whose_layers_leave_state_for_deeper_ones_fails_the_check_and_runs_naive(tok, capsys):
+    """Layer 0 leaves its output for layer 3: skipping layer 0 would feed layer 3 a stale one."""
+    model = tiny("olmoe", tok)
+    left = {}
+    first, last = model.model.layers[0], model.model.layers[3]
+
+    class Leaves(type(first)):
+        def forward(self, hidden_states, *args, **kwargs):
+            left["out"] = super().forward(hidden_states, *args, **kwargs)
+            return left["out"]
+
+    class Uses(type(last)):
+        def forward(self, hidden_states, *args, **kwargs):
+            return super().forward(hidden_states + 0.5 * left["out"], *args, **kwargs)
+
+    first.__class__, last.__class__ = Leaves, Uses
     reference = profile_sensitivity(model, tok, TEXT, {**CFG, "prefix_cache": False})
-    monkeypatch.setattr(prefix, "CHECK_TOLERANCE", -1.0)             # every difference is too large
     profile = profile_sensitivity(model, tok, TEXT, CFG)
     assert "warning: no prefix cache for this model" in capsys.readouterr().err
     facts = profile["provenance"]
