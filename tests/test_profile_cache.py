@@ -132,6 +132,7 @@ def test_a_model_whose_layers_leave_state_for_deeper_ones_fails_the_check_and_ru
     assert "warning: no prefix cache for this model" in capsys.readouterr().err
     facts = profile["provenance"]
     assert not facts["prefix_cache"] and "differs from a full pass" in facts["prefix_cache_refused"]
+    assert facts["peak_cache_bytes"] > 0                              # states were held before the check refused
     assert profile["sensitivity"] == reference["sensitivity"]
     assert facts["naive_layer_passes"] == reference["provenance"]["layer_passes"]
 

@@ -160,7 +160,7 @@ class _ProfileRun:
                 self._refuse(exc)
         self.steps = profile_schedule(todo, self.moe_layers, self.num_decoder_layers, self.k_orig,
                                       prefix_cache=self.prefix is not None)
-        self.passes, self.naive_passes = 0, 0
+        self.passes, self.naive_passes, self.peak_cache_bytes = 0, 0, 0
 
     def planned_passes(self) -> int:
         return layer_passes(self.steps, self.tokens, self.check_tokens)
@@ -169,8 +169,7 @@ class _ProfileRun:
         self.refused = str(exc)
         print(f"allocmoe: warning: no prefix cache for this model ({exc}); every cell runs the whole model",
               file=sys.stderr)
-        if self.prefix is not None:
-            self.prefix.release()
+        self.release()
         self.prefix = None
 
     def cells(self, bar: "_CellBar"):
@@ -209,14 +208,16 @@ class _ProfileRun:
 
     def release(self) -> None:
         if self.prefix is not None:
+            self.peak_cache_bytes = max(self.peak_cache_bytes, self.prefix.peak_bytes)
             self.prefix.release()
 
     def provenance(self) -> dict[str, Any]:
-        """Work in decoder-layer passes (tokens x decoder layers) this run made, beside what full
-        passes for the same cells make; the most bytes of hidden states held at once."""
+        """Work in decoder-layer passes (tokens x decoder layers) this run made (a step cut short by
+        a refusal is not counted), beside what full passes for the same cells make; the most bytes
+        of hidden states held at once. Call after `release`."""
         facts = {"prefix_cache": self.config.prefix_cache and self.refused is None, "layer_passes": self.passes,
                  "naive_layer_passes": self.naive_passes, "decoder_layers": self.num_decoder_layers,
-                 "peak_cache_bytes": self.prefix.peak_bytes if self.prefix is not None else 0}
+                 "peak_cache_bytes": self.peak_cache_bytes}
         if self.refused:
             facts["prefix_cache_refused"] = self.refused
         return facts
