@@ -1,13 +1,20 @@
 """Loading models: the built-in model shipped in the package, or a local Hugging Face folder.
 
 Nothing is downloaded: `--model` must be a folder on disk. Remote code stays off unless asked for.
-The architecture is checked against the adapter registry before any weights are read.
+Everything about a folder that can be checked without reading its weights is checked first
+(`inspect_model`): config.json is JSON naming a supported architecture, and every safetensors
+file's header is whole and covers exactly the file. The model's layout (MoE layer indices, K,
+context) then comes from a weightless copy on the meta device (`ModelSpec.skeleton`), so a plan or
+profile of another model, a budget or a `--seq-len` is refused before the weights load.
 """
 
 from __future__ import annotations
 
+import json
 import os
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -16,6 +23,7 @@ from .errors import AllocMoeError
 BUILTIN_DIR = Path(__file__).resolve().parent / "builtin"
 BUILTIN_MODEL = BUILTIN_DIR / "model"
 BUILTIN = "builtin"
+_HEADER_LIMIT = 100 * 2**20           # safetensors' own limit on a header's size
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
@@ -25,30 +33,203 @@ def resolve_model_path(model: str | os.PathLike | None) -> Path:
                                 "or rebuild it with scripts/train_builtin.py")
         return BUILTIN_MODEL
     path = Path(model)
+    if path.is_file():
+        raise AllocMoeError(f"model folder {path} is a file; give the folder that holds config.json")
     if not path.is_dir():
-        raise AllocMoeError(f"model folder not found: {path} (give a local Hugging Face model folder; "
-                            "allocmoe never downloads)")
+        raise AllocMoeError(f"model folder not found: {path}; give a local Hugging Face model folder "
+                            "(allocmoe never downloads)")
     if not (path / "config.json").is_file():
-        raise AllocMoeError(f"{path} has no config.json: it is not a Hugging Face model folder")
+        raise AllocMoeError(f"{path} has no config.json, so it is not a Hugging Face model folder; give the "
+                            "folder that holds config.json")
     return path
 
 
-def load_model(model: str | os.PathLike | None = None, dtype: torch.dtype = torch.float32,
-               device: str = "cpu", trust_remote_code: bool = False):
-    """Load (model, tokenizer) from a local folder, or the built-in model when `model` is None."""
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+@dataclass
+class ModelSpec:
+    """A model folder whose config and weight files have been checked, no weights read yet (or a
+    synthetic shape's config, whose `path` is its name)."""
+    path: Path | str
+    config: Any
+    trust_remote_code: bool = False
+    _skeleton: Any = field(default=None, repr=False)
+    _tokenizer: Any = field(default=None, repr=False)
+
+    @property
+    def context(self) -> int | None:
+        """Positions the model takes (max_position_embeddings), or None if its config does not say."""
+        return getattr(self.config, "max_position_embeddings", None) or None
+
+    def skeleton(self):
+        """The model's modules on the meta device: its MoE layout and config, no weights read or held.
+        Plans and profiles check against it (`Plan.load(path, spec.skeleton())`) as against the model."""
+        if self._skeleton is None:
+            from transformers import AutoModelForCausalLM
+
+            from .routing.adapters import adapter_for_model
+
+            try:
+                with torch.device("meta"):
+                    net = AutoModelForCausalLM.from_config(self.config, trust_remote_code=self.trust_remote_code)
+            except (ValueError, TypeError, KeyError, AttributeError, IndexError, RuntimeError) as exc:
+                raise AllocMoeError(f"the config in {self.path} does not describe a model transformers can build "
+                                    f"({_first_line(exc)}); fix config.json or give another folder") from None
+            adapter_for_model(net)          # refuses a model whose MoE layers cannot be found
+            self._skeleton = net
+        return self._skeleton
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What a plan or profile must match (core.plan.model_fingerprint), from the config alone."""
+        from .core.plan import model_fingerprint
+
+        return model_fingerprint(self.skeleton())
+
+    def tokenizer(self):
+        """The folder's tokenizer (loaded once): texts are cut and checked with it before the weights load."""
+        if self._tokenizer is None:
+            from transformers import AutoTokenizer
+
+            try:
+                self._tokenizer = AutoTokenizer.from_pretrained(self.path, trust_remote_code=self.trust_remote_code)
+            except (OSError, ValueError, TypeError, KeyError) as exc:
+                raise AllocMoeError(f"cannot load the tokenizer in {self.path} ({_first_line(exc)}); the folder "
+                                    "needs the model's tokenizer files (tokenizer.json, tokenizer_config.json)") from None
+        return self._tokenizer
+
+    def load(self, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        """(model, tokenizer): the weights read, on `device`."""
+        from safetensors import SafetensorError
+        from transformers import AutoModelForCausalLM
+
+        target = check_device(device)
+        tokenizer = self.tokenizer()
+        try:
+            net = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, trust_remote_code=self.trust_remote_code)
+        except (OSError, ValueError, RuntimeError, SafetensorError) as exc:
+            raise AllocMoeError(f"cannot load the model in {self.path} ({_first_line(exc)}); download or save "
+                                "the model again") from None
+        return net.to(target).eval(), tokenizer
+
+
+def inspect_model(model: str | os.PathLike | None = None, trust_remote_code: bool = False) -> ModelSpec:
+    """Check a model folder (default: the built-in model) without reading its weights: config.json is a
+    JSON object naming a supported architecture that transformers reads, and every weight file is whole."""
+    from transformers import AutoConfig
 
     from .routing.adapters import adapter_for_config
+    from .routing.adapters.registry import adapter_class
 
     path = resolve_model_path(model)
+    config_file = path / "config.json"
+    try:
+        raw = json.loads(config_file.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise AllocMoeError(f"{config_file} is not JSON ({_first_line(exc)}); restore the model's config.json") from None
+    if not isinstance(raw, dict):
+        raise AllocMoeError(f"{config_file} is not a JSON object; restore the model's config.json")
+    if not isinstance(raw.get("model_type"), str):
+        raise AllocMoeError(f"{config_file} names no model_type; restore the model's config.json")
+    adapter_class(raw["model_type"])        # an unsupported architecture, before transformers reads anything
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (ValueError, OSError, KeyError) as exc:
-        raise AllocMoeError(f"cannot read the config in {path}: {str(exc).splitlines()[0]}") from None
-    adapter_for_config(config)      # refuse unsupported architectures before reading weights
-    try:
-        net = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, trust_remote_code=trust_remote_code)
-        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise AllocMoeError(f"cannot load the model in {path}: {str(exc).splitlines()[0]}") from None
-    return net.to(device).eval(), tokenizer
+    except (ValueError, OSError, KeyError, TypeError) as exc:
+        raise AllocMoeError(f"cannot read the config in {path} ({_first_line(exc)}); fix config.json or give "
+                            "another folder") from None
+    adapter_for_config(config)
+    check_weight_files(path)
+    return ModelSpec(path=path, config=config, trust_remote_code=trust_remote_code)
+
+
+def load_model(model: str | os.PathLike | ModelSpec | None = None, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", trust_remote_code: bool = False):
+    """Load (model, tokenizer) from a local folder, or the built-in model when `model` is None.
+    Everything checkable is checked before any weights are read (see `inspect_model`)."""
+    check_device(device)
+    spec = model if isinstance(model, ModelSpec) else inspect_model(model, trust_remote_code)
+    return spec.load(dtype=dtype, device=device)
+
+
+# -- weight files ---------------------------------------------------------------------------------------
+def check_weight_files(path: Path) -> None:
+    """Refuse a folder with no weights, a shard index naming missing files, or a safetensors file that is
+    truncated or corrupt (its header is read, never its tensors)."""
+    index = path / "model.safetensors.index.json"
+    if (path / "model.safetensors").is_file():
+        files = [path / "model.safetensors"]
+    elif index.is_file():
+        try:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+            files = [path / name for name in sorted(set(weight_map.values()))]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
+            raise AllocMoeError(f"{index} is corrupt ({_first_line(exc)}); download or save the model again") from None
+        missing = [f.name for f in files if not f.is_file()]
+        if missing:
+            raise AllocMoeError(f"{index} names weight files that are missing: {', '.join(missing[:3])}; "
+                                "download or save the model again")
+    elif any((path / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        return                              # PyTorch pickles: transformers checks them as it reads them
+    else:
+        raise AllocMoeError(f"{path} has no weights (no model.safetensors); download or save the model again")
+    for file in files:
+        _check_safetensors(file)
+
+
+def _check_safetensors(file: Path) -> None:
+    size = file.stat().st_size
+
+    def bad(why: str) -> AllocMoeError:
+        return AllocMoeError(f"weight file {file} is truncated or corrupt ({why}); download or save the model again")
+
+    with open(file, "rb") as handle:
+        head = handle.read(8)
+        if len(head) < 8:
+            raise bad(f"{size} bytes, shorter than a safetensors header")
+        length = int.from_bytes(head, "little")
+        if length > min(size - 8, _HEADER_LIMIT):
+            raise bad(f"its header claims {length} bytes; the file has {size}")
+        try:
+            header = json.loads(handle.read(length))
+            ends = [int(entry["data_offsets"][1]) for name, entry in header.items() if name != "__metadata__"]
+        except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, ValueError, IndexError,
+                AttributeError):
+            raise bad("its header is not a safetensors header") from None
+    need = 8 + length + max(ends, default=0)
+    if need != size:
+        raise bad(f"its tensors need {need} bytes; the file has {size}")
+
+
+# -- devices ----------------------------------------------------------------------------------------------
+def check_device(device: str | torch.device | None) -> torch.device:
+    """`device` as a torch.device that exists on this machine; refuses an unknown device type, one this
+    machine lacks, or an index past its device count (cuda:7 on a machine with one GPU)."""
+    if isinstance(device, torch.device):
+        dev, text = device, str(device)
+    else:
+        text = str(device if device is not None else "").strip()
+        try:
+            dev = torch.device(text)
+        except (RuntimeError, ValueError, TypeError):
+            raise AllocMoeError(f"device {text!r} is not a device torch knows; give cpu, cuda or cuda:N") from None
+    if dev.type == "cpu":
+        if dev.index not in (None, 0):
+            raise AllocMoeError(f"device {text!r}: the CPU takes no index; give cpu")
+        return dev
+    if dev.type == "meta":
+        raise AllocMoeError("device 'meta' holds no data, so it cannot run a model; give cpu or cuda")
+    if dev.type == "mps":
+        available, count = torch.backends.mps.is_available(), 1
+    else:
+        backend = getattr(torch, dev.type, None)
+        is_available = getattr(backend, "is_available", None)
+        available = bool(is_available()) if callable(is_available) else False
+        count = int(backend.device_count()) if available and hasattr(backend, "device_count") else 0
+    if not available:
+        raise AllocMoeError(f"device {text!r}: no {dev.type} device is available on this machine; give cpu")
+    if dev.index is not None and dev.index >= count:
+        raise AllocMoeError(f"device {text!r}: this machine has {count} {dev.type} device(s), "
+                            f"{dev.type}:0..{dev.type}:{count - 1}; give one of those")
+    return dev
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -25,14 +25,19 @@ def supported_model_types() -> list[str]:
     return sorted(ADAPTERS)
 
 
-def adapter_for_config(config) -> MoEAdapter:
-    model_type = getattr(config, "model_type", None)
-    cls = ADAPTERS.get(model_type)
+def adapter_class(model_type: str | None) -> type[MoEAdapter]:
+    """The adapter class for `model_type`; refuses, with the reason and the supported list, any other
+    (checkable from config.json's model_type alone, before transformers or any weights are touched)."""
+    cls = ADAPTERS.get(model_type)  # type: ignore[arg-type]
     if cls is None:
-        why = REFUSED.get(model_type, "it is not a supported MoE architecture")
+        why = REFUSED.get(model_type, "it is not a supported MoE architecture")  # type: ignore[arg-type]
         raise AllocMoeError(f"unsupported architecture {model_type!r} ({why}); "
                             f"supported: {', '.join(supported_model_types())}")
-    return cls(config)
+    return cls
+
+
+def adapter_for_config(config) -> MoEAdapter:
+    return adapter_class(getattr(config, "model_type", None))(config)
 
 
 def adapter_for_model(model) -> MoEAdapter:
