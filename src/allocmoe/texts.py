@@ -25,18 +25,22 @@ def read_text(source: str | os.PathLike | None, default_split: str) -> tuple[str
     if source is None or str(source).startswith("builtin:"):
         split = default_split if source is None else str(source).split(":", 1)[1]
         if split not in BUILTIN_SPLITS:
-            raise AllocMoeError(f"unknown built-in split {split!r}; choose one of {', '.join(BUILTIN_SPLITS)}")
+            raise AllocMoeError(f"unknown built-in split {split!r}; choose one of "
+                                f"{', '.join('builtin:' + s for s in BUILTIN_SPLITS)}")
         path = BUILTIN_DATA / f"{split}.txt.xz"
         if not path.is_file():
             raise AllocMoeError(f"built-in text {path} is missing; rebuild it with scripts/prepare_data.py")
         return lzma.open(path, "rt", encoding="utf-8").read(), f"builtin:{split}"
     path = Path(source)
+    if path.is_dir():
+        raise AllocMoeError(f"text file {path} is a folder; give a UTF-8 text file")
     if not path.is_file():
-        raise AllocMoeError(f"text file not found: {path}")
+        raise AllocMoeError(f"text file not found: {path}; check the path (or give builtin:"
+                            f"{default_split} for the built-in {default_split} text)")
     try:
         text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise AllocMoeError(f"text file {path} is not UTF-8 text") from None
+    except UnicodeDecodeError as exc:
+        raise AllocMoeError(f"text file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
     if not text.strip():
-        raise AllocMoeError(f"text file {path} is empty")
+        raise AllocMoeError(f"text file {path} is empty; give a file with text in it")
     return text, str(path)
