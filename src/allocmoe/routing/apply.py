@@ -36,6 +36,10 @@ from ..core.policies import AllocT, Policy, StaticTopK, expected_alloc_t_activat
 Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 _MARK = "_allocmoe_patched"
 _HANDLE = "_allocmoe_handle"        # on the model while a handle is installed: see active_handle()
+_COPIED = ("this model is a copy of a model that had a plan applied (the copy keeps the plan's patches, which "
+           "still route with the original's modules and count into the original's handle); copy the model "
+           "before applying the plan, or clear the copy with `allocmoe.routing.apply.active_handle(copy).remove()` "
+           "and apply the plan to it")
 
 
 @dataclass
@@ -163,6 +167,8 @@ class PlanHandle:
         self._layers, self._stats, self._hook = layers, stats, hook
         self._policies, self._k_orig = policies, k_orig
         self.active = True
+        self._entered = False
+        self._model_id = id(model)      # a copied model carries a copy of this handle, and the original's id
 
     @property
     def plan(self) -> Plan:
@@ -185,9 +191,14 @@ class PlanHandle:
         if not self.active:          # entering again would silently run the unmodified model
             raise AllocMoeError("this plan handle was removed (its `with` block ended); apply the plan again: "
                                 "`with apply_plan(model, plan) as handle:`")
+        if self._entered:            # the inner block's end would remove the plan under the outer one
+            raise AllocMoeError("this plan handle is already in a `with` block; use it in one `with` block "
+                                "(leaving a nested one would remove the plan while the outer one still runs)")
+        self._entered = True
         return self
 
     def __exit__(self, *exc) -> None:
+        self._entered = False
         self.remove()
 
     def remove(self) -> None:
@@ -238,8 +249,16 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
     for plan in plans:
         plan.check_model(model)
     layers = adapter.moe_layers(model)
+    installed = active_handle(model)
+    if installed is not None and installed._model_id != id(model):
+        raise AllocMoeError(_COPIED)
     if any(_MARK in layer.router.__dict__ for layer in layers):
-        raise AllocMoeError("a plan is already applied to this model; remove its handle first")
+        raise AllocMoeError("a plan is already applied to this model; remove its handle first (`handle.remove()` "
+                            "or leave its `with` block), or install several plans together with apply_plans "
+                            "or handle.add_plan")
+    if any("forward" in module.__dict__ for layer in layers for module in (layer.router, layer.experts)):
+        raise AllocMoeError("this model's MoE layers already run a replaced forward (inside routed_experts_off "
+                            "or allocmoe_experts?); apply the plan outside that block")
     ctx = RoutingContext()
     stats = {layer.index: LayerStats() for layer in layers}
     k_orig = adapter.k_orig()
@@ -255,6 +274,8 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
         setattr(layer.experts, _MARK, True)
 
     def read_batch(module, args, kwargs):
+        if module is not model:          # a deep copy keeps this hook and the routers bound to the original
+            raise AllocMoeError(_COPIED)
         ctx.attention_mask = kwargs.get("attention_mask")
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
