@@ -54,8 +54,28 @@ def _task_manager(include_path: str | None):
     return TaskManager(include_path=[offline_task_dir()] + ([include_path] if include_path else []))
 
 
+TASK_OPTIONS = {"num_fewshot": "--num-fewshot", "limit": "--limit", "include_path": "--include-path"}
+
+
+def check_task_options(tasks, **options: Any) -> None:
+    """Refuse lm-eval options that would be silently ignored: unknown ones, any given without tasks,
+    and an include path that is not a folder. Cheap: neither lm-eval nor its task index is loaded."""
+    unknown = sorted(set(options) - set(TASK_OPTIONS))
+    if unknown:
+        raise AllocMoeError(f"unknown task option(s) {unknown}; known: {', '.join(TASK_OPTIONS)}")
+    for name, value in options.items():
+        if value is not None and not tasks:
+            raise AllocMoeError(f"{name} ({TASK_OPTIONS[name]}) applies only with tasks (--tasks); add tasks "
+                                "or leave it out")
+    include_path = options.get("include_path")
+    if include_path is not None and not Path(include_path).is_dir():
+        raise AllocMoeError(f"include path (--include-path) {include_path} is not a folder; give the folder "
+                            "of your task YAMLs")
+
+
 def check_tasks(tasks: list[str] | tuple[str, ...], include_path: str | None = None) -> None:
     """Fail before any work if the [eval] extra is missing or a task name is unknown."""
+    check_task_options(tasks, include_path=include_path)
     _lm_eval()
     unknown = [t for t in tasks if t not in _task_manager(include_path).all_tasks]
     if unknown:

@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from ...routing.apply import apply_plan
-from .perplexity import PerplexityConfig, evaluate_perplexity
-from ...models import load_model
+from .perplexity import PerplexityConfig, evaluate_perplexity, tokenize_windows, window_len
+from ...models import inspect_model
 from ...core.plan import Plan, model_fingerprint
 from ...texts import read_text
 
@@ -19,21 +19,34 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
                    task_options: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
     """Perplexity of a model folder (default: built-in) with an optional plan, on a text file
     (default: the built-in test split); with `tasks`, also lm-eval task metrics (the [eval] extra)
-    and each item's scores, which `allocmoe compare` pairs up. Returns the JSON-ready result."""
+    and each item's scores, which `allocmoe compare` pairs up. Returns the JSON-ready result.
+
+    Every input is checked before the weights load (text, plan file, model folder, the plan and
+    `seq_len` against the model's layout, task names), and the text's length before the first pass."""
+    from .harness import check_task_options
+
     config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, progress=progress)
+    options = dict(task_options or {})
+    check_task_options(tasks, **options)
     body, text_name = read_text(text, "test")
-    net, tok = load_model(model, trust_remote_code=trust_remote_code)
     if plan is not None and not isinstance(plan, Plan):
-        plan = Plan.load(plan, net)
-    fingerprint = model_fingerprint(net)
-    full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
+        plan = Plan.load(plan)
+    spec = inspect_model(model, trust_remote_code)
+    skeleton = spec.skeleton()
+    window = window_len(skeleton, seq_len)
+    if plan is not None:
+        plan.check_model(skeleton)
     if tasks:
         from .harness import check_tasks
 
-        check_tasks(tasks, (task_options or {}).get("include_path"))    # fail before any work
+        check_tasks(tasks, options.get("include_path"))
+    windows = tokenize_windows(spec.tokenizer(), body, window, max_tokens)    # too short: before the weights
+    net, tok = spec.load()
+    fingerprint = model_fingerprint(net)
+    full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
     handle = apply_plan(net, plan) if plan is not None else None
     try:
-        result = evaluate_perplexity(net, tok, body, config)
+        result = evaluate_perplexity(net, tok, body, config, windows=windows)
         if handle is None:
             measured, per_layer = full, {str(i): float(fingerprint["k_orig"]) for i in fingerprint["moe_layers"]}
         else:
@@ -43,7 +56,7 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
         if tasks:
             from .harness import score_tasks
 
-            task_results, task_items = score_tasks(net, tok, tasks, batch_size=batch_size, **(task_options or {}))
+            task_results, task_items = score_tasks(net, tok, tasks, batch_size=batch_size, **options)
     finally:
         if handle is not None:
             handle.remove()
