@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import sys
 
-from .common import add_calib_tokens, add_model_flags, add_quiet, check_output_file, load, positive_int
+from .common import (add_calib_tokens, add_model_flags, add_quiet, check_output_file, check_seq_len, check_text_length,
+                     inspect, load, positive_int)
 
 
 def add_parsers(sub) -> None:
@@ -40,34 +41,48 @@ def cmd_profile(args) -> None:
     text, name = read_text(args.calib_text, "calibration")
     config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
                            progress=not args.quiet)
-    model, tok = load(args)
+    spec = inspect(args)
+    check_text_length(spec.tokenizer(), text, check_seq_len(spec, args.seq_len), args.calib_tokens)
+    model, tok = load(args, spec)
     profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
     print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
 
 
 def cmd_allocate(args) -> None:
+    """Everything is checked before the weights load (the profile against the model's layout, even when
+    the method never loads them; the budget; the calibration text), then the weights load only for the
+    methods that run the model (or to profile first)."""
     from ..calibrate.methods import MODEL_METHODS, PROFILE_METHODS, AllocateConfig, allocate
     from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
+    from ..core.budget import Budget
     from ..texts import read_text
 
     check_output_file(args.output)
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
-                            seq_len=args.seq_len, batch_size=args.batch_size)
-    model = tok = None
-    needs_model = args.method in MODEL_METHODS or args.profile is None
-    if needs_model:
-        model, tok = load(args)
-    profile = load_profile(args.profile, model) if args.profile else None
-    text = None
-    if args.method in MODEL_METHODS + PROFILE_METHODS:
+                            seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet)
+    spec = inspect(args)
+    skeleton = spec.skeleton()
+    profile = load_profile(args.profile, skeleton) if args.profile else None
+    fingerprint = spec.fingerprint()
+    Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+    seq_len = check_seq_len(spec, args.seq_len)
+    profiles_first = profile is None and args.method in PROFILE_METHODS + ("auto",)
+    calibrates = profiles_first or args.method in ("top-p", "naee", "auto")
+    text = name = None
+    if calibrates or args.calib_text is not None:
         text, name = read_text(args.calib_text, "calibration")
-        if profile is None and args.method in PROFILE_METHODS + ("auto",):
-            print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
-            profile = profile_sensitivity(model, tok, text, ProfileConfig(
-                seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
-                progress=not args.quiet), calib_name=name)
-    plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok, calib_text=text,
-                    config=config)
+    if calibrates:
+        check_text_length(spec.tokenizer(), text, seq_len, args.calib_tokens)
+    model, tok = skeleton, None
+    if profiles_first or args.method in MODEL_METHODS:
+        model, tok = load(args, spec)
+    if profiles_first:
+        print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
+        profile = profile_sensitivity(model, tok, text, ProfileConfig(
+            seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
+            progress=not args.quiet), calib_name=name)
+    plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok,
+                    calib_text=text if calibrates else None, config=config)
     plan.save(args.output)
     ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
     print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",

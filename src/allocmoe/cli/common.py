@@ -25,6 +25,10 @@ class Parser(argparse.ArgumentParser):
         kwargs.setdefault("allow_abbrev", False)
         super().__init__(*args, **kwargs)
 
+    def error(self, message: str):
+        """argparse's one line, with the fix every refusal states: where the flags are listed."""
+        super().error(f"{message}; see `{self.prog} --help`")
+
 
 class Deprecated(argparse.Action):
     """An old flag spelling: stores into the new flag's dest and prints one warning line."""
@@ -128,11 +132,47 @@ def add_quiet(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars (they go to stderr)")
 
 
-def load(args):
-    """Load `--model` (a `--seq-len` past its context is refused where windows are cut, before any pass)."""
+def inspect(args):
+    """Check `--model` without reading its weights (config, architecture, weight files): a ModelSpec
+    whose `skeleton()` plans, profiles, budgets and `--seq-len` are checked against before loading."""
+    from ..models import inspect_model
+
+    return inspect_model(args.model, trust_remote_code=args.trust_remote_code)
+
+
+def load(args, spec=None):
+    """Load `--model` (or the already inspected `spec`): (model, tokenizer)."""
     from ..models import load_model
 
-    return load_model(args.model, trust_remote_code=args.trust_remote_code)
+    return load_model(spec if spec is not None else args.model, trust_remote_code=args.trust_remote_code)
+
+
+def check_seq_len(spec, seq_len: int | None) -> int:
+    """The window length `--seq-len` gives on this model, refused past its context (the library's rule)."""
+    from ..measure.evaluate.perplexity import window_len
+
+    return window_len(spec.skeleton(), seq_len)
+
+
+def check_text_length(tokenizer, text: str, seq_len: int, max_tokens: int | None) -> None:
+    """Refuse, before any pass, a text too short for one window (the library's rule, applied early)."""
+    from ..measure.evaluate.perplexity import tokenize_windows
+
+    tokenize_windows(tokenizer, text, seq_len, max_tokens)
+
+
+def task_names(args) -> list[str] | None:
+    """`--tasks` as a list (None when not given); the lm-eval flags are refused without it."""
+    from ..measure.evaluate.harness import check_task_options
+
+    names = None
+    if args.tasks is not None:
+        names = [t.strip() for t in args.tasks.split(",") if t.strip()]
+        if not names:
+            raise AllocMoeError(f"--tasks {args.tasks!r} names no task; give comma-separated task names, "
+                                f"e.g. {OFFLINE_TASKS[0]}")
+    check_task_options(names, num_fewshot=args.num_fewshot, limit=args.limit, include_path=args.include_path)
+    return names
 
 
 def emit(obj, path: str | None, shown: dict | None = None) -> None:

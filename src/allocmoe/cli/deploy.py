@@ -32,11 +32,15 @@ def cmd_export(args) -> None:
     from ..core.files import atomic_write_bytes
 
     check_output_file(args.output)
+    if not args.model.strip():
+        raise AllocMoeError("--model is empty; give the model path or id the engine should serve")
+    if args.arch is not None and args.format != "llama.cpp":
+        raise AllocMoeError(f"--arch applies only to --format llama.cpp; drop it for {args.format}")
+    if args.arch is not None and not args.arch.strip():
+        raise AllocMoeError("--arch is empty; give the GGUF's general.architecture, or leave it out to take it "
+                            "from the plan")
     plans: dict[str | None, Path] = {None: Path(args.plan)} if args.plan else {}
     plans.update(parse_named_plans(args.request_plan, "--request-plan"))
-    for path in plans.values():
-        if not path.is_file():
-            raise AllocMoeError(f"plan file not found: {path}")
     export = export_plan(args.format, plans, model=args.model, arch=args.arch)
     text = json.dumps(export.to_dict(), indent=2) + "\n" if args.json else "#!/usr/bin/env sh\n" + export.script()
     if args.output:

@@ -9,7 +9,8 @@ import torch
 
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_eval_tokens, add_model_flags, add_output, add_quiet, add_task_flags,
-                     check_output_dir, check_output_file, emit, load, non_negative_int, positive_int)
+                     check_output_dir, check_output_file, check_seq_len, check_text_length, emit, inspect, load,
+                     non_negative_int, positive_int, task_names)
 
 
 def add_parsers(sub) -> None:
@@ -81,7 +82,7 @@ def cmd_eval(args) -> None:
     from ..measure.evaluate.run import evaluate_model
 
     check_output_file(args.output)
-    tasks = [t.strip() for t in args.tasks.split(",") if t.strip()] if args.tasks else None
+    tasks = task_names(args)
     result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
                             max_tokens=args.eval_tokens, batch_size=args.batch_size,
                             trust_remote_code=args.trust_remote_code, tasks=tasks,
@@ -95,24 +96,41 @@ def cmd_eval(args) -> None:
 
 
 def cmd_sweep(args) -> None:
+    """Every input is checked before the weights load (budgets, methods, tasks, the profile against the
+    model's layout, --seq-len), and both texts' lengths before profiling or the first pass."""
+    from ..calibrate.methods import PROFILE_METHODS
     from ..calibrate.profile import ProfileConfig, load_profile
+    from ..core.budget import Budget
     from ..measure.report import markdown_table
     from ..measure.sweep import SweepConfig, sweep
     from ..texts import read_text
 
     check_output_dir(args.output)
+    tasks = task_names(args)
     config = SweepConfig(
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         eval_max_tokens=args.eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
         profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet),
-        tasks=tuple(t.strip() for t in (args.tasks or "").split(",") if t.strip()),
-        task_limit=args.limit, num_fewshot=args.num_fewshot, include_path=args.include_path,
-        progress=not args.quiet)
+        tasks=tuple(tasks or ()), task_limit=args.limit, num_fewshot=args.num_fewshot,
+        include_path=args.include_path, progress=not args.quiet)
     calib, calib_name = read_text(args.calib_text, "calibration")
     text, text_name = read_text(args.text, "test")
-    model, tok = load(args)
-    profile = load_profile(args.profile, model) if args.profile else None
+    spec = inspect(args)
+    seq_len = check_seq_len(spec, args.seq_len)
+    fingerprint = spec.fingerprint()
+    for budget in config.budgets:
+        Budget.parse(budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+    profile = load_profile(args.profile, spec.skeleton()) if args.profile else None
+    if tasks:
+        from ..measure.evaluate.harness import check_tasks
+
+        check_tasks(tasks, args.include_path)
+    check_text_length(spec.tokenizer(), text, seq_len, args.eval_tokens)
+    profiles = profile is None and any(m in PROFILE_METHODS + ("auto",) for m in config.methods)
+    if profiles or any(m in ("top-p", "naee", "auto") for m in config.methods):
+        check_text_length(spec.tokenizer(), calib, seq_len, args.calib_tokens)
+    model, tok = load(args, spec)
     results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
                     text_names=(calib_name, text_name))
     print(markdown_table(results))
@@ -138,41 +156,88 @@ def cmd_compare(args) -> None:
 
 def cmd_analyze(args) -> None:
     from ..measure.analyze import analyze_plan, write_analysis
-    from ..measure.evaluate.perplexity import window_len, tokenize_windows
+    from ..measure.evaluate.perplexity import tokenize_windows
     from ..core.plan import Plan
     from ..texts import read_text
 
     check_output_dir(args.output)
     text, _ = read_text(args.text, "test")
-    model, tok = load(args)
-    plan = Plan.load(args.plan, model)
-    windows = tokenize_windows(tok, text, window_len(model, args.seq_len), args.eval_tokens)
+    plan = Plan.load(args.plan)
+    spec = inspect(args)
+    seq_len = check_seq_len(spec, args.seq_len)
+    plan.check_model(spec.skeleton())
+    windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens)
+    model, tok = load(args, spec)
     result = analyze_plan(model, tok, plan, windows, args.batch_size, progress=not args.quiet)
     write_analysis(result, args.output)
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer"}, indent=2))
     print(f"wrote {args.output}/analysis.json, analysis.png", file=sys.stderr)
 
 
+BENCH_METHODS = ("uniform", "alloc-t", "ascending", "descending")   # need neither a profile nor calibration
+
+
+class _Shape:
+    """What `check_memory` reads of a model (its config; its parameters' dtype and device), before the
+    model exists: a batch that cannot fit is refused before gigabytes of weights are built or read."""
+
+    def __init__(self, config, dtype: torch.dtype, device: str):
+        self.config, self._probe = config, torch.empty(0, dtype=dtype, device=device)
+
+    def parameters(self):
+        yield self._probe
+
+
 def cmd_bench(args) -> None:
-    from ..measure.bench import BenchConfig, benchmark, free_memory_bytes
-    from ..calibrate.methods import allocate
-    from ..models import load_model
+    """Flags, device, plan (against the model's layout), budget and positions are all checked before
+    the weights load or the synthetic model is built."""
+    from ..calibrate.methods import METHODS, allocate
+    from ..core.budget import Budget
     from ..core.plan import Plan
+    from ..measure.bench import BenchConfig, benchmark, check_memory, free_memory_bytes
     from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
+    from ..models import ModelSpec, check_device
 
     check_output_file(args.output)
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                          repeats=args.repeats, warmup=args.warmup)
     if (args.plan is None) == (args.budget is None):
-        raise AllocMoeError("give either --plan PLAN.json or --budget B (with --method)")
-    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        raise AllocMoeError("--device cuda asked for, but CUDA is not available here")
-    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
-    torch.set_grad_enabled(False)
+        raise AllocMoeError(f"{'--plan and --budget were both given' if args.plan else 'nothing to time'}; give "
+                            "either --plan PLAN.json or --budget B (with --method)")
+    if args.seq_len is not None:
+        raise AllocMoeError("--seq-len does not apply to bench; the prompt length is --input-len")
     synthetic = str(args.model or "").startswith(PREFIX)
+    if args.num_layers is not None and not synthetic:
+        raise AllocMoeError(f"--num-layers applies only to synthetic models ({PREFIX}NAME); drop it or bench "
+                            "a synthetic model")
+    if args.budget is not None and args.method not in BENCH_METHODS:
+        if args.method not in METHODS:
+            raise AllocMoeError(f"unknown method {args.method!r}; with --budget choose one of "
+                                f"{', '.join(BENCH_METHODS)}")
+        raise AllocMoeError(f"--budget with --method {args.method!r} needs a profile or calibration; make a "
+                            "plan with `allocmoe allocate` and pass --plan (speed depends on the budget, "
+                            "not on which layers get it: alloc-t times the same work as alloc-moe)")
+    device = str(check_device(args.device if args.device is not None else
+                              ("cuda" if torch.cuda.is_available() else "cpu")))
+    dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    plan = Plan.load(args.plan) if args.plan else None
     if synthetic:
         cfg = synthetic_config(args.model, args.num_layers)
+        spec = ModelSpec(path=args.model, config=cfg)
+    else:
+        spec = inspect(args)
+    check_memory(_Shape(spec.config, dtype, device), config)     # before building or loading anything
+    positions = args.input_len + args.output_len
+    if spec.context is not None and positions > spec.context:
+        raise AllocMoeError(f"--input-len {args.input_len} + --output-len {args.output_len} = {positions} positions, "
+                            f"past this model's context of {spec.context}; lower --input-len or --output-len")
+    if plan is not None:
+        plan.check_model(spec.skeleton())
+    else:
+        fingerprint = spec.fingerprint()
+        Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+    torch.set_grad_enabled(False)
+    if synthetic:
         need = parameter_bytes(cfg, dtype)
         if device == "cpu":
             free = free_memory_bytes(torch.device("cpu"))
@@ -181,14 +246,8 @@ def cmd_bench(args) -> None:
                                     f"of weights, {free / 2**30:.1f} GiB is free; pass a smaller --num-layers")
         model = build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
     else:
-        model, _ = load_model(args.model, dtype=dtype, device=device, trust_remote_code=args.trust_remote_code)
-    if args.plan:
-        plan = Plan.load(args.plan, model)
-    else:
-        if args.method not in ("uniform", "alloc-t", "ascending", "descending"):
-            raise AllocMoeError(f"--budget with --method {args.method!r} needs a profile or calibration: make a "
-                                "plan with `allocmoe allocate` and pass --plan (speed depends on the budget, "
-                                "not on which layers get it: alloc-t times the same work as alloc-moe)")
+        model, _ = spec.load(dtype=dtype, device=device)
+    if plan is None:
         plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
     result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
     emit(result, args.output)

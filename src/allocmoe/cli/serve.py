@@ -38,7 +38,7 @@ def add_generate_parser(sub) -> None:
 
 
 def cmd_generate(args) -> None:
-    from ..models import load_model
+    from ..models import inspect_model
     from ..core.plan import Plan
     from ..serve.generate import generate
     from ..serve.prompts import read_chat_template
@@ -52,8 +52,11 @@ def cmd_generate(args) -> None:
     template = read_chat_template(args.chat_template) if args.chat_template else None
     if template and not args.chat:
         raise AllocMoeError("--chat-template applies only with --chat; add --chat or drop the template")
-    model, tok = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    plan = Plan.load(args.plan, model) if args.plan else None
+    plan = Plan.load(args.plan) if args.plan else None
+    spec = inspect_model(args.model, trust_remote_code=args.trust_remote_code)
+    if plan is not None:
+        plan.check_model(spec.skeleton())           # a plan of another model, before the weights load
+    model, tok = spec.load()
     stream = generate(model, tok, prompt, plan, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, chat_template=template)
     for piece in stream:
@@ -66,12 +69,14 @@ def cmd_generate(args) -> None:
 
 def _read_prompt(path: str) -> str:
     file = Path(path)
+    if file.is_dir():
+        raise AllocMoeError(f"prompt file {file} is a folder; give a UTF-8 text file")
     if not file.is_file():
-        raise AllocMoeError(f"prompt file not found: {file}")
+        raise AllocMoeError(f"prompt file not found: {file}; check the path")
     try:
         return file.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise AllocMoeError(f"prompt file {file} is not UTF-8 text") from None
+        raise AllocMoeError(f"prompt file {file} is not UTF-8 text; save it as UTF-8") from None
 
 
 def add_serve_parser(sub) -> None:
@@ -106,27 +111,34 @@ def cmd_serve(args) -> None:
     except ImportError as exc:
         raise AllocMoeError(f"allocmoe serve needs the serve extra ({exc.name} is missing): "
                             "pip install 'allocmoe[serve]'") from None
-    from ..models import load_model
+    from ..models import inspect_model
     from ..core.plan import Plan
     from ..calibrate.profile import load_profile
     from ..serve.plans import PLAN_NAME
     from ..serve.prompts import read_chat_template
 
-    for name, value in (("--max-batch-size", args.max_batch_size),
-                        ("--num-threads", args.num_threads or 1), ("--max-model-len", args.max_model_len or 2)):
-        if value < 1:
-            raise AllocMoeError(f"{name} must be >= 1, got {value}")
+    for name, value in (("--max-batch-size", args.max_batch_size), ("--num-threads", args.num_threads),
+                        ("--max-model-len", args.max_model_len)):
+        if value is not None and value < 1:
+            raise AllocMoeError(f"{name} must be >= 1, got {value}; give 1 or more")
     if args.max_queue < 0:
-        raise AllocMoeError(f"--max-queue must be >= 0, got {args.max_queue}")
+        raise AllocMoeError(f"--max-queue must be >= 0, got {args.max_queue}; give 0 or more")
     if args.api_key is not None and not args.api_key.strip():
         raise AllocMoeError("--api-key is empty; give a key or leave the flag out")
     plan_files = _plan_files(args.plan, PLAN_NAME)
     template = read_chat_template(args.chat_template) if args.chat_template else None
-    _check_port_free(args.host, args.port)
+    plans = {name: Plan.load(path) for name, path in plan_files.items()}
+    spec = inspect_model(args.model, trust_remote_code=args.trust_remote_code)
+    skeleton = spec.skeleton()              # plans, profile and lengths checked before the weights load
+    for plan in plans.values():
+        plan.check_model(skeleton)
+    profile = load_profile(args.profile, skeleton) if args.profile else None
+    if args.max_model_len is not None and spec.context is not None and not 2 <= args.max_model_len <= spec.context:
+        raise AllocMoeError(f"max model len {args.max_model_len} must lie between 2 and the model's context of "
+                            f"{spec.context} tokens; give --max-model-len {spec.context} or less")
+    _check_port_free(args.host, args.port)  # last: a free port is checked as late as it can be
     _set_threads(args.num_threads)
-    model, tok = load_model(args.model, trust_remote_code=args.trust_remote_code)
-    plans = {name: Plan.load(path, model) for name, path in plan_files.items()}
-    profile = load_profile(args.profile, model) if args.profile else None
+    model, tok = spec.load()
     name = args.served_model_name or (BUILTIN_NAME if args.model in (None, "builtin") else Path(args.model).resolve().name)
     config = ServerConfig(model_name=name, plans=plans, profile=profile, max_batch_size=args.max_batch_size,
                           max_queue=args.max_queue, api_key=args.api_key, chat_template=template,
@@ -157,12 +169,12 @@ def _plan_files(values: list[str], pattern) -> dict[str, Path]:
         if not sep:
             name, path = Path(value).stem, value
         if not pattern.match(name):
-            raise AllocMoeError(f"--plan {value!r}: the name {name!r} must be letters, digits, '.', '_' or '-' "
-                                "(give NAME=PLAN.json)")
+            raise AllocMoeError(f"--plan {value!r}: the name {name!r} must be letters, digits, '.', '_' or '-'; "
+                                "give NAME=PLAN.json")
         if name in files:
             raise AllocMoeError(f"two plans are named {name!r}; give each --plan NAME=FILE its own name")
         if not Path(path).is_file():
-            raise AllocMoeError(f"--plan {value!r}: plan file not found: {path}")
+            raise AllocMoeError(f"--plan {value!r}: plan file not found: {path}; check the path")
         files[name] = Path(path)
     return files
 
@@ -171,9 +183,10 @@ def _check_port_free(host: str, port: int) -> None:
     try:
         infos = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)
     except (socket.gaierror, UnicodeError):
-        raise AllocMoeError(f"--host {host!r} is not an address of this machine") from None
+        raise AllocMoeError(f"--host {host!r} is not an address of this machine; give one, e.g. 127.0.0.1 "
+                            "(this machine only) or 0.0.0.0 (every interface)") from None
     if not 1 <= port <= 65535:
-        raise AllocMoeError(f"--port must lie between 1 and 65535, got {port}")
+        raise AllocMoeError(f"--port must lie between 1 and 65535, got {port}; give a port in that range")
     family, _, _, _, address = infos[0]
     with socket.socket(family, socket.SOCK_STREAM) as probe:
         probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
