@@ -65,8 +65,11 @@ class ProfileConfig:
     def __post_init__(self):
         for name in ("seq_len", "max_tokens", "batch_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < 2):
-                raise AllocMoeError(f"{name.replace('_', '-')} must be a whole number >= 2, got {value!r}")
+            least = 1 if name == "batch_size" else 2
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                flag = {"max_tokens": "--calib-tokens"}.get(name, "--" + name.replace("_", "-"))
+                raise AllocMoeError(f"{name} ({flag}) must be a whole number >= {least}, got {value!r}; "
+                                    f"give {least} or more")
 
 
 def layer_configuration(layer: int, k: int, num_layers: int, k_orig: int) -> tuple[int, ...]:

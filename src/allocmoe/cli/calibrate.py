@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import sys
 
-from .common import (add_calib_tokens, add_model_flags, add_quiet, check_output_file, check_seq_len, check_text_length,
+from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, check_output_file, check_seq_len, check_text_length,
                      inspect, load, positive_int)
 
 
@@ -16,6 +16,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--calib-text", default=None, help="UTF-8 calibration text (default: built-in calibration split)")
     add_calib_tokens(p, 8192)
     p.add_argument("--output", required=True, help="profile JSON to write")
+    add_prefix_cache(p)
     add_quiet(p)
     p.set_defaults(func=cmd_profile)
 
@@ -29,6 +30,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--pool", default="batch", choices=("batch", "sequence"), help="Alloc-T pool extent")
     add_calib_tokens(p, 8192)
     p.add_argument("--output", required=True, help="plan JSON to write")
+    add_prefix_cache(p)
     add_quiet(p)
     p.set_defaults(func=cmd_allocate)
 
@@ -40,7 +42,7 @@ def cmd_profile(args) -> None:
     check_output_file(args.output)
     text, name = read_text(args.calib_text, "calibration")
     config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
-                           progress=not args.quiet)
+                           progress=not args.quiet, prefix_cache=args.prefix_cache)
     spec = inspect(args)
     check_text_length(spec.tokenizer(), text, check_seq_len(spec, args.seq_len), args.calib_tokens)
     model, tok = load(args, spec)
@@ -80,7 +82,7 @@ def cmd_allocate(args) -> None:
         print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
         profile = profile_sensitivity(model, tok, text, ProfileConfig(
             seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
-            progress=not args.quiet), calib_name=name)
+            progress=not args.quiet, prefix_cache=args.prefix_cache), calib_name=name)
     plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok,
                     calib_text=text if calibrates else None, config=config)
     plan.save(args.output)

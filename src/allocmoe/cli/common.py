@@ -95,10 +95,10 @@ def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
                    help=argparse.SUPPRESS)
 
 
-def add_model_flags(p) -> None:
+def add_model_flags(p, batch_size: int = 4, batch_help: str = "windows per forward pass") -> None:
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in model)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own Python code")
-    p.add_argument("--batch-size", type=positive_int, default=4, help="windows per forward pass (default 4)")
+    p.add_argument("--batch-size", type=positive_int, default=batch_size, help=f"{batch_help} (default {batch_size})")
     p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: min(2048, model limit))")
 
 
@@ -126,6 +126,12 @@ def add_calib_tokens(p, default: int, old: str = "--max-tokens") -> None:
 def add_eval_tokens(p, default: int | None, help: str) -> None:
     p.add_argument("--eval-tokens", dest="eval_tokens", type=positive_int, default=default, help=help)
     add_alias(p, "--max-tokens", "--eval-tokens", "eval_tokens", type=positive_int)
+
+
+def add_prefix_cache(p) -> None:
+    p.add_argument("--no-prefix-cache", dest="prefix_cache", action="store_false",
+                   help="profile: run every cell as a full pass (the naive protocol: same numbers, about twice "
+                        "the work; for checking)")
 
 
 def add_quiet(p) -> None:

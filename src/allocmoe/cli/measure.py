@@ -8,7 +8,7 @@ import sys
 import torch
 
 from ..errors import AllocMoeError
-from .common import (add_calib_tokens, add_eval_tokens, add_model_flags, add_output, add_quiet, add_task_flags,
+from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_model_flags, add_output, add_quiet, add_task_flags,
                      check_output_dir, check_output_file, check_seq_len, check_text_length, emit, inspect, load,
                      non_negative_int, positive_int, task_names)
 
@@ -38,6 +38,7 @@ def add_parsers(sub) -> None:
     add_calib_tokens(p, 8192, old="--calib-max-tokens")
     add_output(p, "folder for results (default allocmoe-sweep)", old="--output-dir", default="allocmoe-sweep")
     add_task_flags(p)
+    add_prefix_cache(p)
     add_quiet(p)
     p.set_defaults(func=cmd_sweep)
 
@@ -59,8 +60,7 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
-    add_model_flags(p)
-    p.set_defaults(batch_size=1)
+    add_model_flags(p, batch_size=1, batch_help="sequences decoded side by side")
     p.add_argument("--plan", default=None, help="plan JSON to time")
     p.add_argument("--budget", default=None, help="or make a plan: budget (fraction or count)")
     p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t, ascending, descending")
@@ -111,7 +111,7 @@ def cmd_sweep(args) -> None:
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
         methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
         eval_max_tokens=args.eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
-        profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet),
+        profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet, prefix_cache=args.prefix_cache),
         tasks=tuple(tasks or ()), task_limit=args.limit, num_fewshot=args.num_fewshot,
         include_path=args.include_path, progress=not args.quiet)
     calib, calib_name = read_text(args.calib_text, "calibration")
@@ -134,7 +134,7 @@ def cmd_sweep(args) -> None:
     results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
                     text_names=(calib_name, text_name))
     print(markdown_table(results))
-    print(f"wrote {args.output}/results.json, results.md, quality_vs_activations.png, allocations.png",
+    print(f"wrote {args.output}/results.json, results.md, plans.json, quality_vs_activations.png, allocations.png",
           file=sys.stderr)
 
 

@@ -42,13 +42,13 @@ class Budget:
             else:
                 value = float(Fraction(raw))
                 is_fraction = "/" in raw or value <= 1
-        except (ValueError, ZeroDivisionError):
+        except (ValueError, ZeroDivisionError, OverflowError):
             raise AllocMoeError(
-                f"budget {raw!r} is not a number: give a fraction of the full budget (0.5, 1/2, 50%) "
+                f"budget {raw!r} is not a number; give a fraction of the full budget (0.5, 1/2, 50%) "
                 f"or a count of activations per token (e.g. {full // 2} of {full})") from None
         count = value * full if is_fraction else value
         if not count > 0 or count != count:
-            raise AllocMoeError(f"budget {raw!r} must be positive: give a fraction in (0, 1] or a count "
+            raise AllocMoeError(f"budget {raw!r} must be positive; give a fraction in (0, 1] or a count "
                                 f"between {num_layers} and {full}")
         count = round(count, 9)  # 1/3 * 36 -> 12.0, not 11.999999999999998
         if count > full:
@@ -56,5 +56,6 @@ class Budget:
                                 f"{full} ({num_layers} MoE layers x K={k_orig}); give at most 1.0 or {full}")
         if count < num_layers:
             raise AllocMoeError(f"budget {raw!r} = {count:g} activations per token is below {num_layers}, the "
-                                f"minimum (every one of the {num_layers} MoE layers keeps at least one expert)")
+                                f"minimum (every one of the {num_layers} MoE layers keeps at least one expert); "
+                                f"give at least {num_layers / full:.3g} or {num_layers}")
         return cls(count, full, num_layers)

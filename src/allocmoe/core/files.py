@@ -58,8 +58,10 @@ def json_safe(obj: Any, at: str = "") -> tuple[Any, list[str]]:
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Read a JSON file, naming `what` it should be in any error."""
     path = Path(path)
+    if path.is_dir():
+        raise AllocMoeError(f"{what} file {path} is a folder; give the {what} JSON file")
     if not path.is_file():
-        raise AllocMoeError(f"{what} file not found: {path}")
+        raise AllocMoeError(f"{what} file not found: {path}; check the path")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

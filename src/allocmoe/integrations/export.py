@@ -76,7 +76,7 @@ def export_plan(fmt: str, plans: dict[str | None, Path], model: str = "MODEL", a
     if fmt not in FORMATS:
         raise AllocMoeError(f"unknown export format {fmt!r}; choose one of: {', '.join(FORMATS)}")
     if not plans:
-        raise AllocMoeError("give a plan: --plan PLAN.json")
+        raise AllocMoeError("no plan given; give --plan PLAN.json (or --request-plan NAME=PLAN.json for vllm)")
     loaded = {name: Plan.load(path) for name, path in plans.items()}
     fingerprints = {json.dumps(p.model, sort_keys=True) for p in loaded.values()}
     if len(fingerprints) > 1:
@@ -84,7 +84,7 @@ def export_plan(fmt: str, plans: dict[str | None, Path], model: str = "MODEL", a
     if fmt == "vllm":
         return _vllm_plugin(loaded, plans, model)
     if len(plans) != 1 or None not in plans:
-        raise AllocMoeError(f"{fmt} has one engine-wide k: give a single --plan PLAN.json and no --request-plan")
+        raise AllocMoeError(f"{fmt} has one engine-wide k, so it takes no per-request plans; give a single --plan PLAN.json and no --request-plan")
     return _global(fmt, loaded[None], model, arch)
 
 

@@ -52,7 +52,7 @@ class PluginConfig:
             return None
         for path in ([Path(default)] if default else []) + list(named.values()):
             if not path.is_file():
-                raise AllocMoeError(f"allocmoe vLLM plugin: plan file not found: {path}")
+                raise AllocMoeError(f"allocmoe vLLM plugin: plan file not found: {path}; check the path (give an absolute path)")
         return cls(Path(default) if default else None, named, env.get(ENV_STATS, "") not in ("", "0"))
 
 
@@ -65,8 +65,10 @@ def parse_named_plans(items, what: str) -> dict[str, Path]:
     for item in items:
         name, sep, path = item.partition("=")
         if not sep or not PLAN_NAME.match(name) or name == DEFAULT or name in named:
-            raise AllocMoeError(f"{what} {item!r}: give NAME=PLAN.json with a new name of letters, digits, '.', "
-                                f"'_' or '-' (not {DEFAULT!r})")
+            problem = ("is not NAME=PLAN.json" if not sep else f"names {name!r} twice" if name in named
+                       else f"has a name that is not allowed ({name!r})")
+            raise AllocMoeError(f"{what} {item!r} {problem}; give NAME=PLAN.json with a new name of letters, "
+                                f"digits, '.', '_' or '-' (not {DEFAULT!r})")
         named[name] = Path(path)
     return named
 

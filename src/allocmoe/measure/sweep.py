@@ -63,7 +63,7 @@ class SweepConfig:
         if unknown:
             raise AllocMoeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
         if not self.budgets or not self.methods:
-            raise AllocMoeError("give at least one budget and one method")
+            raise AllocMoeError("the sweep has no budget or no method; give at least one of each (--budgets, --methods)")
 
 
 def environment() -> dict[str, Any]:

@@ -12,11 +12,11 @@ def read_chat_template(path) -> str:
     """A Jinja chat template file (data: rendered in transformers' sandbox, never run as Python)."""
     path = Path(path)
     if not path.is_file():
-        raise AllocMoeError(f"chat template file not found: {path}")
+        raise AllocMoeError(f"chat template file not found: {path}; check the path")
     try:
         return path.read_text(encoding="utf-8")
     except UnicodeDecodeError:
-        raise AllocMoeError(f"chat template {path} is not UTF-8 text") from None
+        raise AllocMoeError(f"chat template {path} is not UTF-8 text; save it as UTF-8") from None
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None) -> list[int]:
@@ -41,5 +41,5 @@ def text_prompt_ids(tokenizer, text: str, special_tokens: bool = True) -> list[i
 def check_token_ids(ids: list[int], vocab_size: int) -> list[int]:
     bad = [i for i in ids if not 0 <= i < vocab_size]
     if bad:
-        raise AllocMoeError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+        raise AllocMoeError(f"prompt token id {bad[0]} is outside the vocabulary [0, {vocab_size}); send ids the model's tokenizer made")
     return ids

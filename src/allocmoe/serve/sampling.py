@@ -27,16 +27,16 @@ class SamplingParams:
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
-            raise AllocMoeError(f"max new tokens must be a whole number >= 1, got {self.max_new_tokens!r}")
+            raise AllocMoeError(f"max new tokens must be a whole number >= 1, got {self.max_new_tokens!r}; give 1 or more")
         if not (isinstance(self.temperature, (int, float)) and math.isfinite(self.temperature)
                 and self.temperature >= 0):
-            raise AllocMoeError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise AllocMoeError(f"temperature must be a finite number >= 0, got {self.temperature!r}; give 0 for greedy, or e.g. 0.7")
         if not (isinstance(self.top_p, (int, float)) and 0 < self.top_p <= 1):
-            raise AllocMoeError(f"top_p must lie in (0, 1], got {self.top_p!r}")
+            raise AllocMoeError(f"top_p must lie in (0, 1], got {self.top_p!r}; give e.g. 0.9, or 1 for no cut")
         if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
-            raise AllocMoeError(f"seed must be a whole number, got {self.seed!r}")
+            raise AllocMoeError(f"seed must be a whole number, got {self.seed!r}; give e.g. 0")
         if any(not isinstance(s, str) or not s for s in self.stop):
-            raise AllocMoeError("stop strings must be non-empty strings")
+            raise AllocMoeError("stop strings must be non-empty strings; drop the empty ones")
 
     def generator(self) -> torch.Generator | None:
         """This request's own random stream (None when greedy)."""

@@ -19,7 +19,7 @@ from ...errors import AllocMoeError
 def paired_difference(a: list[float], b: list[float]) -> dict[str, float]:
     """Mean of a - b over paired items, its standard error, and how many items each alone got."""
     if len(a) != len(b) or not a:
-        raise AllocMoeError(f"paired scores need the same non-zero number of items (got {len(a)} and {len(b)})")
+        raise AllocMoeError(f"paired scores need the same non-zero number of items (got {len(a)} and {len(b)}); evaluate both on the same tasks and --limit")
     n = len(a)
     diffs = [x - y for x, y in zip(a, b)]                  # per item: +1, 0 or -1 for 0/1 scores
     mean = sum(diffs) / n
@@ -35,7 +35,7 @@ def compare_results(a: dict, b: dict, metric: str = "acc", names: tuple[str, str
     items = []
     for result, name in zip((a, b), names):
         if not isinstance(result, dict) or not isinstance(result.get("task_items"), dict):
-            raise AllocMoeError(f"{name} has no per-item task scores: make it with "
+            raise AllocMoeError(f"{name} has no per-item task scores; make it with "
                                 "`allocmoe eval --tasks ... --output FILE`")
         items.append(result["task_items"])
     tasks = sorted(set(items[0]) & set(items[1]))

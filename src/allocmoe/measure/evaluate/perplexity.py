@@ -29,8 +29,11 @@ class PerplexityConfig:
     def __post_init__(self):
         for name in ("seq_len", "max_tokens", "batch_size"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (2 if name == "seq_len" else 1)):
-                raise AllocMoeError(f"{name.replace('_', '-')} must be a positive whole number, got {value!r}")
+            least = 2 if name == "seq_len" else 1
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
+                flag = {"max_tokens": "--eval-tokens"}.get(name, "--" + name.replace("_", "-"))
+                raise AllocMoeError(f"{name} ({flag}) must be a whole number >= {least}, got {value!r}; "
+                                    f"give {least} or more")
 
 
 @dataclass
@@ -67,7 +70,8 @@ def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None 
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < MIN_TOKENS:
-        raise AllocMoeError(f"the text is too short: {len(ids)} tokens, at least {MIN_TOKENS} are needed")
+        raise AllocMoeError(f"the text is too short: {len(ids)} tokens, at least {MIN_TOKENS} are needed; "
+                            "give a longer text or more tokens")
     ids = torch.tensor(ids, dtype=torch.long)
     if ids.numel() < seq_len:
         return ids[None, :]
