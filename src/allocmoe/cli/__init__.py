@@ -38,6 +38,7 @@ def build_parser() -> Parser:
     add_generate_parser(sub)
     add_serve_parser(sub)
     deploy.add_parsers(sub)
+    parser.commands = sub.choices       # name -> the command's parser
     return parser
 
 
@@ -45,7 +46,14 @@ def main(argv: list[str] | None = None) -> None:
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in argv                # accepted anywhere, so it can be added to any failing line
     argv = [a for a in argv if a != "--debug"]
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(argv)
+    if unknown:     # refused by the command's own parser, so its usage and `--help` are the ones shown
+        parser.commands[args.command].error(f"unrecognized arguments: {' '.join(unknown)}")
+    if getattr(args, "quiet", False):     # no bars at all: transformers' "Loading weights" bar too
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
     previous = signal.signal(signal.SIGTERM, _interrupt) if threading.current_thread() is threading.main_thread() else None
     try:
         args.func(args)
