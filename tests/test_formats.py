@@ -67,13 +67,14 @@ def assert_valid_plan_document(doc: dict) -> None:
     assert set(doc) <= {"format_version", "model", "budget", "method", "layers", "provenance"}
     assert isinstance(doc.get("provenance", {}), dict) and isinstance(doc["layers"], dict)
     assert doc["format_version"] == 1 and isinstance(doc["method"], str) and doc["method"]
-    assert all(isinstance(entry, dict) and entry.get("policy") in ("top-k", "alloc-t", "top-p", "naee")
+    assert all(isinstance(entry, dict) and entry.get("policy") in ("top-k", "alloc-t", "top-p", "naee", "distinct")
                for entry in doc["layers"].values())
     fp = doc["model"]
     assert_valid_fingerprint(fp)
     assert sorted(doc["layers"], key=int) == [str(i) for i in fp["moe_layers"]]
     for entry in doc["layers"].values():
-        fields = {"top-k": {"k"}, "alloc-t": {"k", "k_base", "pool"}, "top-p": {"p", "k"}, "naee": {"beta", "k"}}
+        fields = {"top-k": {"k"}, "alloc-t": {"k", "k_base", "pool"}, "top-p": {"p", "k"}, "naee": {"beta", "k"},
+                  "distinct": {"max_experts", "k_floor", "k"}}
         assert set(entry) - {"policy"} <= fields[entry["policy"]]
         k = entry.get("k")
         if entry["policy"] == "top-k":
@@ -87,6 +88,9 @@ def assert_valid_plan_document(doc: dict) -> None:
             assert is_number(entry["p"]) and 0 < entry["p"] <= 1
         if entry["policy"] == "naee":
             assert is_number(entry["beta"]) and entry["beta"] >= 0
+        if entry["policy"] == "distinct":
+            assert is_whole(entry["max_experts"]) and 1 <= entry["max_experts"] <= 2**53
+            assert is_whole(entry.get("k_floor", 1)) and 1 <= entry.get("k_floor", 1) <= fp["k_orig"]
     budget = doc["budget"]
     assert set(budget) == {"activations_per_token", "full", "fraction"}
     spend = budget["activations_per_token"]
@@ -115,7 +119,8 @@ def assert_valid_profile_document(doc: dict) -> None:
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-10**20, 10**20) | st.sampled_from([0, 1, 2, 3, 4, 5, 8, 12, -1, 10**400])
     | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from([0.5, 1.5, 2.0, 4.0, 4.5, 1e308, -0.0])
-    | st.text(max_size=8) | st.sampled_from(["top-k", "alloc-t", "top-p", "naee", "batch", "sequence", "1", "x"]),
+    | st.text(max_size=8) | st.sampled_from(["top-k", "alloc-t", "top-p", "naee", "distinct", "batch", "sequence", "1",
+                                             "x"]),
     lambda children: st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=6), children, max_size=3),
     max_leaves=6)
 
@@ -171,7 +176,7 @@ def plausible_plans(draw):
           "k_orig": k_orig, "moe_layers": layers}
     entries = {}
     for index in layers:
-        policy = draw(st.sampled_from(["top-k", "alloc-t", "top-p", "naee"]))
+        policy = draw(st.sampled_from(["top-k", "alloc-t", "top-p", "naee", "distinct"]))
         entry = {"policy": policy}
         if policy == "top-k":
             entry["k"] = draw(mostly(st.integers(1, k_orig), st.integers(0, k_orig + 1) | edge_numbers))
@@ -182,6 +187,11 @@ def plausible_plans(draw):
                 "pool": mostly(st.sampled_from(["batch", "sequence"]), st.just("x"))})))
         elif policy == "top-p":
             entry["p"] = draw(mostly(st.floats(0.01, 1), st.floats(-0.1, 1.1) | edge_numbers))
+        elif policy == "distinct":
+            entry["max_experts"] = draw(mostly(st.integers(1, 8), st.integers(-1, 9) | edge_numbers))
+            entry.update(draw(st.fixed_dictionaries({}, optional={
+                "k_floor": mostly(st.integers(1, k_orig), st.integers(0, k_orig + 1) | edge_numbers),
+                "k": mostly(st.floats(1, k_orig), edge_numbers)})))
         else:
             entry["beta"] = draw(mostly(st.floats(0, 2), st.floats(-0.1, 2.0) | edge_numbers))
         entries[str(index)] = entry

@@ -112,7 +112,16 @@ class NaeeEntry(Document):
     k: number(ge=1) | None = None                   # measured at calibration (informational)
 
 
-LayerEntry = Annotated[Union[TopKEntry, AllocTEntry, TopPEntry, NaeeEntry], Field(discriminator="policy")]
+class DistinctEntry(Document):
+    policy: Literal["distinct"]
+    max_experts: Count                        # M: distinct experts one decode step may load in the layer
+    k_floor: Count = 1                        # each token's top experts chosen first (at most k_orig)
+    k: number(ge=1) | None = None                   # activations per token, measured or expected (informational)
+
+
+POLICY_NAMES = ("top-k", "alloc-t", "top-p", "naee", "distinct")
+LayerEntry = Annotated[Union[TopKEntry, AllocTEntry, TopPEntry, NaeeEntry, DistinctEntry],
+                       Field(discriminator="policy")]
 
 
 class PlanBudget(Document):
@@ -140,6 +149,9 @@ class PlanDocument(Document):
             k = getattr(entry, "k", None)
             if k is not None and k > fp.k_orig:
                 raise ValueError(f"layer {index}: k {k} is above k_orig {fp.k_orig}")
+            k_floor = getattr(entry, "k_floor", None)
+            if k_floor is not None and k_floor > fp.k_orig:
+                raise ValueError(f"layer {index}: k_floor {k_floor} is above k_orig {fp.k_orig}")
         full = fp.num_moe_layers * fp.k_orig
         if self.budget.full != full:
             raise ValueError(f"budget.full is {self.budget.full} but the model's full budget is {full} "
@@ -215,7 +227,7 @@ def describe(exc: ValidationError) -> str:
     where = ".".join(_loc_part(part) for part in first["loc"] if not _is_union_tag(part))
     what = _PLAIN.get(first["type"], first["msg"].removeprefix("Value error, "))
     if first["type"] == "union_tag_invalid":
-        what = f"unknown policy {_short(first.get('ctx', {}).get('tag'))}; known: top-k, alloc-t, top-p, naee"
+        what = f"unknown policy {_short(first.get('ctx', {}).get('tag'))}; known: {', '.join(POLICY_NAMES)}"
     if first["type"] in ("float_type", "int_type", "string_type", "literal_error", "dict_type", "list_type",
                          "model_type", "bool_type") and "input" in first:
         what += f" (got {_short(first['input'])})"
@@ -226,13 +238,13 @@ def describe(exc: ValidationError) -> str:
 _PLAIN = {   # pydantic's wording -> what a user editing the file needs to hear
     "extra_forbidden": "unknown field (not part of the format)",
     "missing": "missing field",
-    "union_tag_not_found": "needs a 'policy' field: one of top-k, alloc-t, top-p, naee",
-    "union_tag_invalid": "unknown policy; known: top-k, alloc-t, top-p, naee",
+    "union_tag_not_found": "needs a 'policy' field: one of " + ", ".join(POLICY_NAMES),
+    "union_tag_invalid": "unknown policy; known: " + ", ".join(POLICY_NAMES),
 }
 
 
 def _is_union_tag(part: Any) -> bool:
-    return isinstance(part, str) and (part in ("top-k", "alloc-t", "top-p", "naee") or part.startswith(
+    return isinstance(part, str) and (part in POLICY_NAMES or part.startswith(
         ("int", "float", "function-after", "constrained")))
 
 

@@ -1,13 +1,15 @@
-"""Selection policies: how many of its top-K_orig experts each token of a layer keeps.
+"""Selection policies: which of its top-K_orig experts each token of a layer keeps.
 
-Pure torch, no model. Every policy here keeps a *prefix* of each token's own ranking, so a policy
-only has to decide a count per token; `prefix_mask` and `select_experts` turn counts into the
-(weights, indices) a router returns.
+Pure torch, no model. Four policies keep a *prefix* of each token's own ranking, so they only decide
+a count per token (`counts`); `prefix_mask` and `select_experts` turn counts into the (weights,
+indices) a router returns. The fifth, `distinct`, chooses a set of experts per decode step first and
+may keep a token's 1st and 3rd choice without its 2nd: it returns the selection itself (`select`).
 
 Shape legend: T = tokens in the forward pass, E = routed experts, K = K_orig (the model's top-k),
-B = sequences in the batch, W = the widest selection in the pass (<= K).
+B = sequences in the batch, S = positions per sequence in the pass (T = B * S), W = the widest
+selection in the pass (<= K).
 
-The four policies (names as stored in plan files):
+The policies (names as stored in plan files):
   top-k    static top-k_l: every token keeps k experts.
   alloc-t  every token keeps its top k_base; the T*(K-k_base) remaining candidates form one pool
            (per batch, or per sequence) and the global top round((k - k_base) * T) are switched on.
@@ -15,6 +17,8 @@ The four policies (names as stored in plan files):
            round(k * T) whenever T*k_base is whole (always).
   top-p    the shortest prefix whose cumulative probability reaches p; at least 1, at most K.
   naee     keep expert 0; keep expert j >= 1 while w_j >= beta * w_0 (dynamic skipping).
+  distinct at most M distinct experts per decode step (a step = one position of every sequence
+           in the pass; see `DistinctExperts` for the exact rule).
 """
 
 from __future__ import annotations
@@ -110,8 +114,93 @@ class NaeeSkip:
         return kept.long().cumprod(-1).sum(-1)                          # [T] length of the kept prefix
 
 
-Policy = StaticTopK | AllocT | TopP | NaeeSkip
-POLICIES: dict[str, type] = {cls.name: cls for cls in (StaticTopK, AllocT, TopP, NaeeSkip)}
+def token_steps(num_tokens: int, batch_size: int, device=None) -> tuple[torch.Tensor, int]:
+    """The decode step of each token of a [B, S] pass: (step [T], number of steps S).
+
+    Token t = b * S + s belongs to step s: the tokens at the same position (column) of every
+    sequence, which is what one batched decode step routes together. A pass whose T is not a
+    multiple of B is one step (the conservative reading: every real step is a subset of it)."""
+    if batch_size >= 1 and num_tokens % batch_size == 0 and num_tokens:
+        steps = num_tokens // batch_size
+        return torch.arange(num_tokens, device=device) % steps, steps
+    return torch.zeros(num_tokens, dtype=torch.long, device=device), 1
+
+
+@dataclass(frozen=True)
+class DistinctExperts:
+    """At most `max_experts` (M) distinct experts per decode step in this layer.
+
+    What a memory-bound decode step costs is the experts it loads: the union over the batch, not
+    the activations per token. For each step (token_steps) and its real tokens, each holding its
+    ranked top-K candidates:
+      1. Floor. f = the largest value <= k_floor for which the union of every token's top-f
+         candidates has at most M experts; those experts are chosen first, so every token keeps its
+         top f. When even the tokens' top-1 experts are more than M distinct experts, f = 0: the
+         top-1 experts still go first, and the M of them with the largest summed score are chosen.
+      2. Fill. The rest of the M slots go to the other candidates by summed score: the sum, over
+         the step's tokens that hold the expert among their top-K, of its routing probability.
+         Ties go to the lower expert index. Experts no token holds are never chosen, so a step
+         chooses min(M, distinct candidates) experts.
+      3. Keep. Every token keeps those of its top-K candidates that were chosen, and at least one:
+         a token none of whose candidates was chosen (possible only when f = 0) keeps the chosen
+         expert its router gives the highest probability.
+    So a step never loads more than M experts, a token keeps between 1 and K, and with M >= E (or
+    M >= the step's distinct candidates) every token keeps its top-K: the unmodified model.
+    """
+    max_experts: int                         # M: distinct experts one decode step may load in this layer
+    k_floor: int = 1                         # each token's top experts chosen before any others (reduced if needed)
+    k: float | None = None                   # activations per token, measured or expected (informational)
+    name: ClassVar[str] = "distinct"
+
+    def check(self, k_orig: int) -> None:
+        if not (isinstance(self.max_experts, int) and not isinstance(self.max_experts, bool) and self.max_experts >= 1):
+            raise AllocMoeError(f"distinct policy needs a whole max_experts >= 1, got max_experts={self.max_experts}")
+        if not (isinstance(self.k_floor, int) and 1 <= self.k_floor <= k_orig):
+            raise AllocMoeError(f"distinct policy needs a whole k_floor in [1, {k_orig}], got k_floor={self.k_floor}")
+        if self.k is not None and not 1 <= self.k <= k_orig:
+            raise AllocMoeError(f"distinct policy's k (informational) must lie in [1, {k_orig}], got k={self.k}")
+
+    def select(self, cand_idx: torch.Tensor, cand_probs: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor,
+               batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (index [T, K] expert ids, keep [T, K], top1_outside [T]): each token's candidates with
+        slot 0 replaced by its fallback expert where none was chosen; top1_outside marks the real
+        tokens whose own top-1 was not chosen. No device-to-host sync."""
+        num_tokens, k_orig = cand_idx.shape
+        num_experts = probs.size(-1)
+        device = cand_idx.device
+        step, num_steps = token_steps(num_tokens, batch_size, device)                      # [T]
+        slot = step[:, None] * num_experts + cand_idx                                       # [T, K] into [S*E]
+        rank = torch.arange(k_orig, device=device).expand(num_tokens, k_orig)               # [T, K]
+        rank = torch.where(valid[:, None], rank, k_orig)                                    # padding holds nothing
+        best_rank = torch.full((num_steps * num_experts,), k_orig, dtype=torch.long, device=device)
+        best_rank = best_rank.scatter_reduce_(0, slot.reshape(-1), rank.reshape(-1), "amin").view(num_steps, -1)
+        score = torch.zeros(num_steps * num_experts, dtype=torch.float32, device=device)
+        score = score.scatter_add_(0, slot.reshape(-1), (cand_probs.float() * valid[:, None]).reshape(-1))
+        score = score.view(num_steps, num_experts)                                          # [S, E] summed score
+        floors = torch.arange(1, self.k_floor + 1, device=device)                           # [F]
+        union = (best_rank[:, :, None] < floors).sum(1)                                     # [S, F] union of top-f
+        floor = (union <= self.max_experts).sum(-1)                                         # [S] f (unions nest)
+        first = best_rank < floor.clamp(min=1)[:, None]                                     # [S, E] chosen first
+        held = best_rank < k_orig                                                           # [S, E] someone's candidate
+        by_score = score.argsort(dim=-1, descending=True, stable=True)                      # ties: lower index
+        tier = (first.long() * 2 + held.long()).gather(-1, by_score)
+        order = by_score.gather(-1, tier.argsort(dim=-1, descending=True, stable=True))     # [S, E] best first
+        places = torch.arange(num_experts, device=device).expand_as(order)
+        position = torch.empty_like(order).scatter_(-1, order, places)                      # [S, E] place in order
+        chosen = (position < self.max_experts) & held                                       # [S, E]
+        keep = chosen.view(-1)[slot] & valid[:, None]                                       # [T, K]
+        stranded = valid & ~keep.any(-1)                                                    # [T] nothing chosen
+        in_set = chosen.index_select(0, step)                                               # [T, E]
+        fallback = probs.float().masked_fill(~in_set, float("-inf")).argmax(-1)             # [T]
+        index = cand_idx.clone()
+        index[:, 0] = torch.where(stranded, fallback, cand_idx[:, 0])
+        keep[:, 0] |= stranded
+        return index, keep, valid & ~chosen.view(-1)[slot[:, 0]]
+
+
+Policy = StaticTopK | AllocT | TopP | NaeeSkip | DistinctExperts
+PREFIX_POLICIES = (StaticTopK, AllocT, TopP, NaeeSkip)     # decide a count per token (`counts`)
+POLICIES: dict[str, type] = {cls.name: cls for cls in (*PREFIX_POLICIES, DistinctExperts)}
 
 
 def policy_from_dict(entry: Any, k_orig: int, where: str = "layer") -> Policy:
@@ -154,16 +243,33 @@ def select_experts(probs: torch.Tensor, policy: Policy, k_orig: int, valid: torc
 
     Unselected slots hold index E (a sentinel the compacted experts path skips) and weight 0.
     Weights are the raw probabilities (no renormalisation); model adapters apply each family's own.
+    `batch_size` B reads the T tokens as [B, S]: Alloc-T's per-sequence pools, distinct's steps.
     """
     num_experts = probs.size(-1)
     valid = torch.ones(probs.size(0), dtype=torch.bool, device=probs.device) if valid is None else valid
     cand_probs, cand_idx = probs.topk(k_orig, dim=-1)                    # [T, K] sorted descending
+    if isinstance(policy, DistinctExperts):
+        index, keep, _ = policy.select(cand_idx, cand_probs, probs, valid, batch_size)   # [T, K]
+        return probs.gather(-1, index) * keep, index.masked_fill(~keep, num_experts)
     counts = policy.counts(cand_probs, valid, batch_size)                # [T]
     width = max(int(counts.max()), 1) if counts.numel() else 1
     keep = prefix_mask(counts, width)                                    # [T, W]
     indices = torch.where(keep, cand_idx[:, :width], num_experts)        # [T, W]
     weights = torch.where(keep, cand_probs[:, :width], 0.0)              # [T, W]
     return weights, indices
+
+
+def distinct_per_step(index: torch.Tensor, valid: torch.Tensor, batch_size: int,
+                      num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Distinct experts each decode step loads: index [T, W] (E = unselected), valid [T] ->
+    (distinct [S], real [S]: the steps holding at least one real token). No host sync."""
+    step, num_steps = token_steps(index.size(0), batch_size, index.device)               # [T]
+    index = torch.where(valid[:, None], index, num_experts).clamp(max=num_experts)       # [T, W]
+    hits = torch.zeros(num_steps * (num_experts + 1), dtype=torch.bool, device=index.device)
+    hits[(step[:, None] * (num_experts + 1) + index).reshape(-1)] = True
+    distinct = hits.view(num_steps, num_experts + 1)[:, :num_experts].sum(-1)             # [S]
+    real = torch.zeros(num_steps, dtype=torch.long, device=index.device).index_add_(0, step, valid.long()) > 0
+    return distinct, real
 
 
 def expected_alloc_t_activations(k: float, k_base: int, num_tokens: int) -> int:
