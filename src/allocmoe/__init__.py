@@ -3,7 +3,7 @@
 __version__ = "0.1.0"
 
 from .routing.adapters import supported_model_types
-from .routing.apply import PlanHandle, apply_plan, static_plan
+from .routing.apply import PlanHandle, apply_plan, distinct_plan, static_plan
 from .core.budget import Budget
 from .errors import AllocMoeError
 from .measure.evaluate import PerplexityConfig, evaluate_perplexity
@@ -11,15 +11,15 @@ from .calibrate.methods import AllocateConfig, allocate
 from .measure.evaluate.run import evaluate_model
 from .models import load_model
 from .core.plan import Plan, model_fingerprint
-from .core.policies import AllocT, NaeeSkip, StaticTopK, TopP, select_experts
+from .core.policies import AllocT, DistinctExperts, NaeeSkip, StaticTopK, TopP, select_experts
 from .calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
 from .serve.generate import generate
 from .measure.sweep import SweepConfig, sweep
 from .texts import read_text
 
 __all__ = [
-    "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "NaeeSkip", "PerplexityConfig", "Plan",
-    "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "apply_plan",
+    "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "DistinctExperts", "NaeeSkip", "PerplexityConfig", "Plan",
+    "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "apply_plan", "distinct_plan",
     "evaluate_model", "evaluate_perplexity", "generate", "load_model", "load_profile", "model_fingerprint", "profile_sensitivity", "read_text",
     "select_experts", "static_plan", "supported_model_types", "sweep",
 ]

@@ -1,8 +1,9 @@
 """apply_plan: install a plan on a live transformers model, reversibly, and count what it spends.
 
 Installing patches two things per MoE layer, as instance attributes (the class is never edited):
-  router.forward   -> score with the family adapter, let the layer's policy pick a prefix of each
-                      token's top-K_orig, combine with the family's weights, pad with sentinel E;
+  router.forward   -> score with the family adapter, let the layer's policy pick from each token's
+                      top-K_orig (a prefix of it, or for `distinct` the candidates in the step's
+                      chosen set), combine with the family's weights, pad with sentinel E;
   experts.forward  -> the compacted path in experts.py, which skips the sentinel slots.
 A forward pre-hook on the model reads the attention mask so padding never enters the Alloc-T pool
 or the counts. `PlanHandle.remove()` (or leaving the `with` block) deletes exactly these, restoring
@@ -13,13 +14,19 @@ own plan, chosen through `handle.context.row_plans`, which is how the server bat
 different budgets into one forward pass. With `context.track_rows` set, each pass leaves the
 activations each row spent, summed over MoE layers, in `context.row_activations`.
 
+A pass of B rows and S positions is S decode steps of B tokens (step s = position s of every row;
+in a left-padded prefill, column s). The distinct policy bounds the experts each step loads, and
+the handle counts them (mean and max per layer) where it runs, or for every policy with
+`context.count_steps`. `context.decode_steps` makes Alloc-T pool per step too, so a teacher-forced
+[B, S] pass routes exactly as S batched decode steps would (`eval --decode-batch`).
+
 Shape legend: T = tokens in the pass, E = routed experts, K = K_orig, W = widest selection,
 B = rows (sequences) in the batch, S = tokens per row in the pass (T = B * S).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Callable
 
 import torch
@@ -29,10 +36,13 @@ from .adapters import MoEAdapter, MoELayer, adapter_for_model
 from ..errors import AllocMoeError
 from .experts import compact_experts_forward
 from ..core.plan import Plan
-from ..core.policies import AllocT, Policy, StaticTopK, expected_alloc_t_activations, prefix_mask
+from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distinct_per_step,
+                             expected_alloc_t_activations, prefix_mask, token_steps)
 
 # Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
-# routed pass: each token's ranked candidates, their probabilities, and how many it keeps.
+# routed pass: each token's ranked candidates, their probabilities, and how many it keeps; the
+# kept ones are the first counts[t]. For the distinct policy, which need not keep a prefix of the
+# ranking, the kept candidates are moved to the front (in rank order, a fallback expert in slot 0).
 Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 _MARK = "_allocmoe_patched"
 _HANDLE = "_allocmoe_handle"        # on the model while a handle is installed: see active_handle()
@@ -51,6 +61,8 @@ class RoutingContext:
     row_plans: list[int] | None = None            # per batch row, which installed plan routes it; None = plan 0
     track_rows: bool = False                      # fill row_activations on every pass (the server's usage)
     row_activations: torch.Tensor | None = None   # [B] activations per row, summed over the MoE layers of a pass
+    count_steps: bool = False                     # count distinct experts per step under every policy
+    decode_steps: bool = False                    # the [B, S] pass stands for S decode steps: Alloc-T pools per step
 
     def plan_rows(self) -> dict[int, list[int]]:
         """Installed plan -> the batch rows it routes in this pass."""
@@ -77,11 +89,31 @@ class RoutingContext:
 
 
 class LayerStats:
-    """Activations and real tokens one layer has seen, kept on the device until read."""
+    """Activations and real tokens one layer has seen, and the distinct experts of its decode steps,
+    kept on the device until read."""
 
     def __init__(self):
+        self.reset()
+
+    def reset(self) -> None:
         self.activations = 0
         self.tokens = 0
+        self.steps = 0                  # decode steps counted (holding at least one real token)
+        self.distinct = 0               # distinct experts summed over those steps
+        self.distinct_max = None        # the most any one step loaded
+        self.chooser_tokens = 0         # real tokens routed by the distinct policy
+        self.top1_outside = 0           # ... whose own top-1 expert was not in the step's chosen set
+
+    def add_steps(self, index: torch.Tensor, valid: torch.Tensor, batch_size: int, num_experts: int) -> None:
+        distinct, real = distinct_per_step(index, valid, batch_size, num_experts)      # [S], [S]
+        most = (distinct * real).max()
+        self.steps = self.steps + real.sum()
+        self.distinct = self.distinct + (distinct * real).sum()
+        self.distinct_max = most if self.distinct_max is None else torch.maximum(self.distinct_max, most)
+
+    def add_top1(self, outside: torch.Tensor, routed: torch.Tensor) -> None:
+        self.chooser_tokens = self.chooser_tokens + routed.sum()
+        self.top1_outside = self.top1_outside + (outside & routed).sum()
 
     def add(self, counts: torch.Tensor, valid: torch.Tensor) -> None:
         self.activations = self.activations + (counts * valid).sum()
@@ -103,17 +135,69 @@ def _static_k(policy: Policy, valid: torch.Tensor) -> int | None:
     return None
 
 
-def _mixed_counts(policies: list[Policy], groups: dict[int, list[int]], cand_probs: torch.Tensor,
-                  valid: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Counts [T] when rows follow different plans: each plan's policy decides for its own rows
-    alone (its rows' tokens are its whole pool), as if those rows had been the batch."""
+def _per_step_counts(policy: AllocT, cand_probs: torch.Tensor, valid: torch.Tensor, batch_size: int) -> torch.Tensor:
+    """Alloc-T counts [T] as batched decoding makes them: each step (column) of the [B, S] pass is a
+    pass of its own, pooling its B tokens (pool "batch") or each token alone (pool "sequence")."""
+    num_tokens = cand_probs.size(0)
+    _, num_steps = token_steps(num_tokens, batch_size)
+    if num_steps == 1 or num_tokens % num_steps:
+        return policy.counts(cand_probs, valid, batch_size)
+    order = torch.arange(num_tokens, device=valid.device).view(-1, num_steps).t().reshape(-1)   # [T] step-major
+    pools = num_steps if policy.pool == "batch" else num_tokens
+    counts = torch.empty(num_tokens, dtype=torch.long, device=valid.device)
+    counts[order] = replace(policy, pool="sequence").counts(cand_probs[order], valid[order], pools)
+    return counts
+
+
+Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+
+
+def _select(policy: Policy, cand_idx: torch.Tensor, cand_probs: torch.Tensor, probs: torch.Tensor,
+            valid: torch.Tensor, batch_size: int, width: int, decode_steps: bool = False) -> Selection:
+    """One policy over a pass: (index [T, W], keep [T, W], counts [T], top1_outside [T] or None).
+    Prefix policies keep the first counts[t] of cand_idx[:, :width]; distinct returns its own
+    index and keep (width K) and which tokens' top-1 fell outside the step's chosen set."""
+    if isinstance(policy, DistinctExperts):
+        index, keep, outside = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
+        return index, keep, keep.sum(-1), outside
+    if decode_steps and isinstance(policy, AllocT):
+        counts = _per_step_counts(policy, cand_probs, valid, batch_size)
+    else:
+        counts = policy.counts(cand_probs, valid, batch_size)                          # [T]
+    return cand_idx[:, :width], prefix_mask(counts, width), counts, None
+
+
+def _mixed_selection(policies: list[Policy], groups: dict[int, list[int]], cand_idx: torch.Tensor,
+                     cand_probs: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor,
+                     batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                                               torch.Tensor | None]:
+    """The selection [T, K] when rows follow different plans: each plan's policy decides for its own
+    rows alone (its rows' tokens are its whole pool, or its steps' tokens), as if those rows had been
+    the batch. Also returns top1_outside [T] and the tokens a distinct policy routed (None if none)."""
+    num_tokens, k_orig = cand_idx.shape
+    index, keep = cand_idx.clone(), torch.zeros_like(cand_idx, dtype=torch.bool)   # [T, K]
     counts = torch.empty(valid.shape, dtype=torch.long, device=valid.device)        # [T]
-    per_row = cand_probs.size(0) // batch_size                                      # S
+    outside = routed = None
+    per_row = num_tokens // batch_size                                              # S
     for plan_index, rows in groups.items():
         row_idx = torch.tensor(rows, device=valid.device)
         tokens = (row_idx[:, None] * per_row + torch.arange(per_row, device=valid.device)).reshape(-1)  # [b*S]
-        counts[tokens] = policies[plan_index].counts(cand_probs[tokens], valid[tokens], len(rows))
-    return counts
+        index[tokens], keep[tokens], counts[tokens], out = _select(
+            policies[plan_index], cand_idx[tokens], cand_probs[tokens], probs[tokens], valid[tokens], len(rows), k_orig)
+        if out is not None:
+            if outside is None:
+                outside, routed = torch.zeros_like(valid), torch.zeros_like(valid)
+            outside[tokens], routed[tokens] = out, valid[tokens]
+    return index, keep, counts, outside, routed
+
+
+def _kept_first(index: torch.Tensor, keep: torch.Tensor, cand_idx: torch.Tensor, cand_probs: torch.Tensor,
+                probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """What recorders see of a selection that need not be a prefix: each token's candidates with the
+    kept ones first (in rank order), so its first counts[t] are what it keeps. [T, K] each."""
+    order = (~keep).long().argsort(dim=-1, stable=True)                             # [T, K] kept first
+    own = torch.where(index == cand_idx, cand_probs, probs.gather(-1, index).to(cand_probs.dtype))
+    return index.gather(-1, order), own.gather(-1, order)
 
 
 def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy], k_orig: int,
@@ -132,28 +216,39 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
             index = scores.ranking.topk(static_k, dim=-1).indices             # [T, k]
             weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
             stats.add_uniform(static_k, valid)
+            if ctx.count_steps:
+                stats.add_steps(index, valid, ctx.batch_size, num_experts)
             if ctx.track_rows:
                 ctx.add_row_activations(torch.full_like(valid, static_k, dtype=torch.long), valid)
             return scores.logits, weights, index
         cand_idx = scores.ranking.topk(k_orig, dim=-1).indices                # [T, K] best first
         # [T, K]; made non-increasing along the ranking (a no-op unless the family ranks by another
-        # key, as DeepSeek-V3's bias does), so every policy's choice is a prefix of the ranking
+        # key, as DeepSeek-V3's bias does), so every prefix policy's choice is a prefix of the ranking
         cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
         if policy is not None:
-            counts = policy.counts(cand_probs, valid, ctx.batch_size)         # [T]
+            # no host sync on counts: the width comes from the policy, not from the counts
+            width = policy.k if isinstance(policy, StaticTopK) else k_orig
+            index, keep, counts, outside = _select(policy, cand_idx, cand_probs, scores.probs, valid,
+                                                   ctx.batch_size, width, ctx.decode_steps)   # [T, W]
+            routed = valid if outside is not None else None
         else:
-            counts = _mixed_counts(policies, groups, cand_probs, valid, ctx.batch_size)
-        # no host sync on counts: the width comes from the policy, not from the counts
-        width = policy.k if isinstance(policy, StaticTopK) else k_orig
-        keep = prefix_mask(counts, width)                                     # [T, W]
-        index = cand_idx[:, :width]                                           # [T, W]
+            index, keep, counts, outside, routed = _mixed_selection(policies, groups, cand_idx, cand_probs,
+                                                                    scores.probs, valid, ctx.batch_size)
         weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
+        chosen, index = index, index.masked_fill(~keep, num_experts)         # [T, W] sentinel E where dropped
         stats.add(counts, valid)
+        if outside is not None:
+            stats.add_top1(outside, routed)
+        if ctx.count_steps or outside is not None:
+            stats.add_steps(index, valid, ctx.batch_size, num_experts)
         if ctx.track_rows:
             ctx.add_row_activations(counts, valid)
-        for record in ctx.recorders:
-            record(layer.index, cand_idx, cand_probs, counts, valid)
-        return scores.logits, weights, index.masked_fill(~keep, num_experts)
+        if ctx.recorders:
+            seen_idx, seen_probs = (cand_idx, cand_probs) if outside is None else \
+                _kept_first(chosen, keep, cand_idx, cand_probs, scores.probs)
+            for record in ctx.recorders:
+                record(layer.index, seen_idx, seen_probs, counts, valid)
+        return scores.logits, weights, index
 
     return forward
 
@@ -217,7 +312,7 @@ class PlanHandle:
     # -- accounting ------------------------------------------------------------------------
     def reset_counters(self) -> None:
         for stats in self._stats.values():
-            stats.activations, stats.tokens = 0, 0
+            stats.reset()
 
     def layer_activations(self) -> dict[int, float]:
         """Measured activations per real token, per MoE layer."""
@@ -229,6 +324,31 @@ class PlanHandle:
 
     def tokens_seen(self) -> int:
         return int(max((float(s.tokens) for s in self._stats.values()), default=0))
+
+    def layer_distinct_experts(self) -> dict[int, dict[str, float]]:
+        """Distinct experts per decode step, per MoE layer that counted them (the layers a distinct
+        policy runs in, or every layer with `context.count_steps`): {"mean", "max", "steps"}."""
+        out = {}
+        for index, s in self._stats.items():
+            steps = float(s.steps)
+            if steps:
+                out[index] = {"mean": float(s.distinct) / steps, "max": int(s.distinct_max), "steps": int(steps)}
+        return out
+
+    def distinct_experts_per_step(self) -> float | None:
+        """Mean over decode steps and counting layers of the distinct experts a step loads."""
+        layers = self.layer_distinct_experts()
+        return sum(v["mean"] for v in layers.values()) / len(layers) if layers else None
+
+    def max_distinct_experts_per_step(self) -> int | None:
+        """The most distinct experts any counting layer loaded in any one step."""
+        return max((v["max"] for v in self.layer_distinct_experts().values()), default=None)
+
+    def top1_outside_rate(self) -> dict[int, float]:
+        """Per MoE layer where the distinct policy ran: the share of its real tokens whose own top-1
+        expert fell outside the step's chosen set."""
+        return {index: float(s.top1_outside) / float(s.chooser_tokens)
+                for index, s in self._stats.items() if float(s.chooser_tokens)}
 
 
 def apply_plan(model: nn.Module, plan: Plan, renormalize: bool | None = None) -> PlanHandle:
@@ -305,6 +425,26 @@ def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], metho
         k_per_layer = dict(zip(indices, k_per_layer))
     layers = {index: StaticTopK(int(k)) for index, k in k_per_layer.items()}
     return Plan(model=fingerprint, layers=layers, method=method, budget=float(sum(k_per_layer.values())))
+
+
+def distinct_plan(model: nn.Module, max_experts: int | dict[int, int] | list[int], k_floor: int = 1,
+                  method: str = "distinct") -> Plan:
+    """A plan of the distinct-expert budget: at most `max_experts` distinct experts per decode step
+    in each MoE layer (one number for all, a list in MoE-layer order, or {layer index: M}). Its
+    budget is the full L * K_orig: the plan bounds experts per step, not activations per token."""
+    from ..core.plan import model_fingerprint
+
+    fingerprint = model_fingerprint(model)
+    indices = fingerprint["moe_layers"]
+    if isinstance(max_experts, int):
+        max_experts = {index: max_experts for index in indices}
+    elif not isinstance(max_experts, dict):
+        max_experts = dict(zip(indices, max_experts))
+    layers = {index: DistinctExperts(int(m), k_floor) for index, m in max_experts.items()}
+    for policy in layers.values():
+        policy.check(fingerprint["k_orig"])
+    return Plan(model=fingerprint, layers=layers, method=method,
+                budget=float(fingerprint["num_moe_layers"] * fingerprint["k_orig"]))
 
 
 class _experts_forward_swapped:
