@@ -21,7 +21,7 @@ from pathlib import Path
 
 from ..errors import AllocMoeError
 from ..core.plan import Plan
-from ..core.policies import StaticTopK
+from ..core.policies import DistinctExperts, StaticTopK
 
 FORMATS = ("vllm", "vllm-global", "sglang", "llama.cpp")
 # GGUF `general.architecture` of the HF families allocmoe supports (llama.cpp's llama-arch.cpp);
@@ -56,6 +56,17 @@ class Export:
                 "full": self.full, "fraction": round(self.activations_per_token / self.full, 6)}
 
 
+def _refuse_distinct(plan: Plan, path) -> None:
+    """No engine export can run a distinct-expert budget: it chooses a set of experts per decode step
+    from all the step's tokens, which needs a batch-wide selection inside the engine's MoE router."""
+    layers = [str(i) for i, p in sorted(plan.layers.items()) if isinstance(p, DistinctExperts)]
+    if layers:
+        raise AllocMoeError(f"plan {path} uses the distinct-expert budget (policy 'distinct', layers "
+                            f"{','.join(layers)}), which no exported engine setting can run (it needs a step-wide "
+                            "expert selection inside the engine's fused MoE router, e.g. vLLM's FusedMoE "
+                            "select_experts); serve it with `allocmoe serve`")
+
+
 def _is_static(plan: Plan) -> bool:
     return all(isinstance(p, StaticTopK) for p in plan.layers.values())
 
@@ -78,6 +89,8 @@ def export_plan(fmt: str, plans: dict[str | None, Path], model: str = "MODEL", a
     if not plans:
         raise AllocMoeError("no plan given; give --plan PLAN.json (or --request-plan NAME=PLAN.json for vllm)")
     loaded = {name: Plan.load(path) for name, path in plans.items()}
+    for name, plan in loaded.items():
+        _refuse_distinct(plan, plans[name])
     fingerprints = {json.dumps(p.model, sort_keys=True) for p in loaded.values()}
     if len(fingerprints) > 1:
         raise AllocMoeError("the plans were made for different models; export plans of one model together")

@@ -233,6 +233,12 @@ def _check_plan(plan, hf_config, layer_ids: list[int] | None) -> None:
     """Refuse a plan made for another model; `layer_ids` None: only what the config alone tells."""
     from ..errors import AllocMoeError
 
+    distinct = [str(i) for i, p in sorted(plan.layers.items()) if type(p).__name__ == "DistinctExperts"]
+    if distinct:
+        raise AllocMoeError(f"allocmoe vLLM plugin: the plan uses the distinct-expert budget (policy 'distinct', "
+                            f"layers {','.join(distinct)}), which the plugin cannot run: it needs a step-wide expert "
+                            "selection over all of a step's tokens inside vLLM's FusedMoE router (not implemented); "
+                            "serve it with `allocmoe serve`")
     experts = next((getattr(hf_config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(hf_config, n, None)), None)
     found = {"model_type": getattr(hf_config, "model_type", None), "num_experts": experts,
