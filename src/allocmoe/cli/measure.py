@@ -21,6 +21,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--plan", default=None, help="plan JSON to apply (default: the unmodified model)")
     p.add_argument("--text", default=None, help="UTF-8 text to score (default: built-in test split)")
     add_eval_tokens(p, None, "score only the first N tokens (default: all)")
+    p.add_argument("--decode-batch", type=positive_int, default=None,
+                   help="score as N sequences decoded side by side, one position of each per step (replaces "
+                        "--batch-size for perplexity); reports distinct experts per step per layer")
     add_output(p, "also write the result JSON here", old="--output-json")
     add_task_flags(p)
     add_quiet(p)
@@ -87,12 +90,20 @@ def cmd_eval(args) -> None:
                             max_tokens=args.eval_tokens, batch_size=args.batch_size,
                             trust_remote_code=args.trust_remote_code, tasks=tasks,
                             task_options={"num_fewshot": args.num_fewshot, "limit": args.limit,
-                                          "include_path": args.include_path}, progress=not args.quiet)
+                                          "include_path": args.include_path}, progress=not args.quiet,
+                            decode_batch=args.decode_batch)
     # per-item scores (thousands of 0/1 values) go to the file, for `allocmoe compare`; not to the screen
     shown = {key: value for key, value in result.items() if key != "task_items"}
     if tasks and not args.output:
         print("per-item scores, which `allocmoe compare` pairs up, are kept only with --output", file=sys.stderr)
     emit(result, args.output, shown)
+    if args.decode_batch:
+        outside = result["top1_outside_chosen_rate"]
+        print(f"decode batch {args.decode_batch}: perplexity {result['perplexity']:.4f} at "
+              f"{result['activations_per_token']:.2f} of {result['full_activations_per_token']:g} activations/token; "
+              f"distinct experts per step {result['distinct_experts_per_step']:.2f} (max "
+              f"{result['max_distinct_experts_per_step']}) of {result['model']['num_experts']} per layer"
+              + (f"; top-1 outside the chosen set {outside:.1%}" if outside is not None else ""), file=sys.stderr)
 
 
 def cmd_sweep(args) -> None:

@@ -3,6 +3,13 @@ into non-overlapping windows of `seq_len` tokens; every token after a window's f
 
 Not lm-eval's `wikitext` task, which reports word and byte perplexity.
 Windows are batched `batch_size` at a time; with a plan applied, an Alloc-T pool spans the batch.
+
+With `decode_batch` B the windows are scored as B sequences decoded side by side: each forward
+pass holds exactly B windows, and its position s across them is one decode step (the tokens one
+batched decode step routes together), so a distinct-expert budget chooses its experts per step and
+Alloc-T pools per step, as a served batch of B would. When the window count is not a multiple of
+B, the last pass is topped up with the text's first windows, which are routed (they share the
+step, as other requests would) but not scored: every window is scored once, every step holds B.
 """
 
 from __future__ import annotations
@@ -25,9 +32,10 @@ class PerplexityConfig:
     max_tokens: int | None = None   # score only the first N tokens of the text (None = all of it)
     batch_size: int = 4             # windows per forward pass (also the Alloc-T pool's extent)
     progress: bool = True           # show a progress bar
+    decode_batch: int | None = None  # score as this many sequences decoded side by side (replaces batch_size)
 
     def __post_init__(self):
-        for name in ("seq_len", "max_tokens", "batch_size"):
+        for name in ("seq_len", "max_tokens", "batch_size", "decode_batch"):
             value = getattr(self, name)
             least = 2 if name == "seq_len" else 1
             if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
@@ -78,25 +86,55 @@ def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None 
     return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
 
 
+def check_decode_batch(windows: torch.Tensor, decode_batch: int | None) -> int:
+    """Windows the last pass of `decode_batch` borrows from the text's start (0 without it); refuses
+    fewer windows than sequences, which would put one window beside itself in a step."""
+    if decode_batch is None:
+        return 0
+    count, length = windows.shape
+    if count < decode_batch:
+        raise AllocMoeError(f"--decode-batch {decode_batch} needs at least {decode_batch} windows of {length} tokens, "
+                            f"but the text gives {count}; give a longer text, a shorter --seq-len or a smaller "
+                            "--decode-batch")
+    return -count % decode_batch
+
+
 @torch.no_grad()
 def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | dict | None = None,
                         windows: torch.Tensor | None = None) -> PerplexityResult:
     """Perplexity of `model` (with whatever plan is applied to it) on `text`.
     Pass pre-cut `windows` [N, S] to skip tokenisation when scoring one text many times."""
+    from ...routing.apply import active_handle
+
     config = checked_config(PerplexityConfig, config)
     seq_len = window_len(model, config.seq_len)
     if windows is None:
         windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens)
+    fill = check_decode_batch(windows, config.decode_batch)
+    rows = windows.size(0)                                                      # windows scored
+    routed = torch.cat([windows, windows[:fill]]) if fill else windows          # [N + fill, S]
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
-    batches = windows.split(config.batch_size)
-    for batch in tqdm(batches, desc="perplexity", unit="batch", disable=not config.progress, leave=False):
-        batch = batch.to(device)
-        logits = model(input_ids=batch).logits[:, :-1].float()                 # [b, S-1, V]
-        nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
-                                                reduction="sum")
-        total_nll += float(nll)
-        total_tokens += batch[:, 1:].numel()
+    batches = routed.split(config.decode_batch or config.batch_size)
+    handle = active_handle(model) if config.decode_batch else None
+    if handle is not None:                  # each position of the pass is a decode step: count and pool so
+        saved = handle.context.count_steps, handle.context.decode_steps
+        handle.context.count_steps = handle.context.decode_steps = True
+    try:
+        start = 0
+        for batch in tqdm(batches, desc="perplexity", unit="batch", disable=not config.progress, leave=False):
+            scored = min(batch.size(0), rows - start)                            # the rest are the top-up
+            start += batch.size(0)
+            batch = batch.to(device)
+            logits = model(input_ids=batch).logits[:scored, :-1].float()         # [b, S-1, V]
+            target = batch[:scored, 1:]
+            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
+                                                    reduction="sum")
+            total_nll += float(nll)
+            total_tokens += target.numel()
+    finally:
+        if handle is not None:
+            handle.context.count_steps, handle.context.decode_steps = saved
     mean = total_nll / total_tokens
     # a diverging model can average past exp's range (nll > 709): that perplexity is infinite, not an error
     return PerplexityResult(perplexity=math.exp(mean) if mean < 709 else math.inf, nll=mean, tokens=total_tokens,

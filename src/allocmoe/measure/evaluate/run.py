@@ -5,8 +5,8 @@ from __future__ import annotations
 import os
 from typing import Any
 
-from ...routing.apply import apply_plan
-from .perplexity import PerplexityConfig, evaluate_perplexity, tokenize_windows, window_len
+from ...routing.apply import apply_plan, static_plan
+from .perplexity import PerplexityConfig, check_decode_batch, evaluate_perplexity, tokenize_windows, window_len
 from ...models import inspect_model
 from ...core.plan import Plan, model_fingerprint
 from ...texts import read_text
@@ -16,16 +16,24 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
                    text: str | os.PathLike | None = None, seq_len: int | None = None,
                    max_tokens: int | None = None, batch_size: int = 4,
                    trust_remote_code: bool = False, tasks: list[str] | None = None,
-                   task_options: dict[str, Any] | None = None, progress: bool = True) -> dict[str, Any]:
+                   task_options: dict[str, Any] | None = None, progress: bool = True,
+                   decode_batch: int | None = None) -> dict[str, Any]:
     """Perplexity of a model folder (default: built-in) with an optional plan, on a text file
     (default: the built-in test split); with `tasks`, also lm-eval task metrics (the [eval] extra)
     and each item's scores, which `allocmoe compare` pairs up. Returns the JSON-ready result.
+
+    `decode_batch` B scores the text as B sequences decoded side by side (PerplexityConfig), and adds
+    what each decode step loads: `distinct_experts_per_step` (mean over steps and MoE layers),
+    `max_distinct_experts_per_step` (the most any layer loaded in any step), per layer, and where a
+    distinct-expert budget runs, how often a token's own top-1 fell outside the step's chosen set.
+    Without a plan the model is counted under a full top-K_orig plan (the unmodified selection).
 
     Every input is checked before the weights load (text, plan file, model folder, the plan and
     `seq_len` against the model's layout, task names), and the text's length before the first pass."""
     from .harness import check_task_options
 
-    config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, progress=progress)
+    config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, progress=progress,
+                              decode_batch=decode_batch)
     options = dict(task_options or {})
     check_task_options(tasks, **options)
     body, text_name = read_text(text, "test")
@@ -41,12 +49,16 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
 
         check_tasks(tasks, options.get("include_path"))
     windows = tokenize_windows(spec.tokenizer(), body, window, max_tokens)    # too short: before the weights
+    fill = check_decode_batch(windows, decode_batch)
     net, tok = spec.load()
     fingerprint = model_fingerprint(net)
     full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
-    handle = apply_plan(net, plan) if plan is not None else None
+    counted = plan if plan is not None or decode_batch is None else \
+        static_plan(net, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"], method="full")
+    handle = apply_plan(net, counted) if counted is not None else None
     try:
         result = evaluate_perplexity(net, tok, body, config, windows=windows)
+        steps = _decode_steps(handle, decode_batch, fill) if decode_batch else {}
         if handle is None:
             measured, per_layer = full, {str(i): float(fingerprint["k_orig"]) for i in fingerprint["moe_layers"]}
         else:
@@ -62,6 +74,17 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
             handle.remove()
     extra = {"tasks": task_results, "task_items": task_items} if tasks else {}
     return {**result.to_dict(), **extra, "activations_per_token": measured, "full_activations_per_token": full,
-            "budget_fraction_measured": measured / full, "activations_per_layer": per_layer,
+            "budget_fraction_measured": measured / full, "activations_per_layer": per_layer, **steps,
             "plan": None if plan is None else {"method": plan.method, "budget": plan.budget},
             "text": text_name, "model": fingerprint}
+
+
+def _decode_steps(handle, decode_batch: int, fill: int) -> dict[str, Any]:
+    """The decode-step counters of an `eval --decode-batch` pass, JSON-ready."""
+    outside = handle.top1_outside_rate()
+    return {"decode_batch": decode_batch, "top_up_windows": fill,
+            "distinct_experts_per_step": handle.distinct_experts_per_step(),
+            "max_distinct_experts_per_step": handle.max_distinct_experts_per_step(),
+            "distinct_experts_per_layer": {str(i): v for i, v in handle.layer_distinct_experts().items()},
+            "top1_outside_chosen_rate": sum(outside.values()) / len(outside) if outside else None,
+            "top1_outside_chosen_per_layer": {str(i): v for i, v in outside.items()}}
