@@ -152,10 +152,21 @@ def load_model(model: str | os.PathLike | ModelSpec | None = None, dtype: torch.
 def check_weight_files(path: Path) -> None:
     """Refuse a folder with no weights, a shard index naming missing files, or a safetensors file that is
     truncated or corrupt (its header is read, never its tensors)."""
+    files = safetensors_files(path)
+    if files is None:
+        return                              # PyTorch pickles: transformers checks them as it reads them
+    for file in files:
+        read_safetensors_header(file)
+
+
+def safetensors_files(path: Path) -> list[Path] | None:
+    """The folder's safetensors weight files (one, or the shards its index names); None when it holds
+    PyTorch pickles instead. Refuses a folder with no weights, or an index that is corrupt or names
+    missing files."""
     index = path / "model.safetensors.index.json"
     if (path / "model.safetensors").is_file():
-        files = [path / "model.safetensors"]
-    elif index.is_file():
+        return [path / "model.safetensors"]
+    if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
             files = [path / name for name in sorted(set(weight_map.values()))]
@@ -165,15 +176,16 @@ def check_weight_files(path: Path) -> None:
         if missing:
             raise AllocMoeError(f"{index} names weight files that are missing: {', '.join(missing[:3])}; "
                                 "download or save the model again")
-    elif any((path / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
-        return                              # PyTorch pickles: transformers checks them as it reads them
-    else:
-        raise AllocMoeError(f"{path} has no weights (no model.safetensors); download or save the model again")
-    for file in files:
-        _check_safetensors(file)
+        return files
+    if any((path / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
+        return None
+    raise AllocMoeError(f"{path} has no weights (no model.safetensors); download or save the model again")
 
 
-def _check_safetensors(file: Path) -> None:
+def read_safetensors_header(file: Path) -> tuple[int, dict[str, Any]]:
+    """(offset of the data, header) of a safetensors file: {name: {"dtype", "shape", "data_offsets"}}
+    with data_offsets counted from that offset. Refuses a header that is not whole or does not
+    cover exactly the file."""
     size = file.stat().st_size
 
     def bad(why: str) -> AllocMoeError:
@@ -195,6 +207,8 @@ def _check_safetensors(file: Path) -> None:
     need = 8 + length + max(ends, default=0)
     if need != size:
         raise bad(f"its tensors need {need} bytes; the file has {size}")
+    header.pop("__metadata__", None)
+    return 8 + length, header
 
 
 # -- devices ----------------------------------------------------------------------------------------------
