@@ -8,8 +8,9 @@ advanced through the unmodified model to the next layer's entry, batch by batch,
 replacing its own.
 
 How a pass starts at decoder layer d without touching model code: the layers before d get an
-instance `forward` that hands its input through, and a forward pre-hook on layer d swaps its input
-for the held states of the current batch. Everything the model derives from the input (embedding,
+instance `forward` that hands its input through (one already there, such as the device hook
+accelerate's device_map installs, is put back after), and a forward pre-hook on layer d swaps its
+input for the held states of the current batch. Everything the model derives from the input (embedding,
 causal and sliding-window masks, rotary tables, per-index layer types) is computed as in a full
 pass, so layer d and every layer after it see exactly what a full pass shows them. Before the first
 cell relies on this, one window checks it: the logits of a pass started at d against a full pass,
@@ -127,8 +128,10 @@ def started_at(model: nn.Module, start: int, states: list[torch.Tensor]) -> Iter
     """Passes made inside run from decoder layer `start`, the n-th pass fed `states[n]` [b, S, H];
     all of them must be used."""
     layers = decoder_layers(model)
-    if any("forward" in layer.__dict__ for layer in layers[:start]):
-        raise PrefixCacheUnsupported("a decoder layer's forward is already replaced on this model")
+    if any(layer.__dict__.get("forward") is _pass_through for layer in layers[:start]):
+        raise PrefixCacheUnsupported("a pass is already started at a decoder layer of this model")
+    # an instance forward already there (accelerate's device hook) is handed through too, and put back
+    replaced = [layer.__dict__.get("forward") for layer in layers[:start]]
     fed = 0
 
     def feed(module, args, kwargs):
@@ -149,8 +152,11 @@ def started_at(model: nn.Module, start: int, states: list[torch.Tensor]) -> Iter
             raise PrefixCacheUnsupported(f"{fed} passes used the {len(states)} batches held at decoder layer {start}")
     finally:
         hook.remove()
-        for layer in layers[:start]:
-            layer.__dict__.pop("forward", None)
+        for layer, forward in zip(layers[:start], replaced):
+            if forward is None:
+                layer.__dict__.pop("forward", None)
+            else:
+                layer.forward = forward
 
 
 @contextmanager
