@@ -49,8 +49,10 @@ from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
 from ..core.plan import check_fingerprint, model_fingerprint
+from .onload import OnloadedModel
 from .prefix import (PrefixCacheUnsupported, PrefixStates, layer_passes, profile_schedule, start_position,
                      step_layer_passes)
+from .walk import WalkRun, memory_plan, whole_model_facts
 
 
 
@@ -61,8 +63,13 @@ class ProfileConfig:
     batch_size: int = 4            # windows per forward pass
     progress: bool = True          # show a progress bar with cells done and time left
     prefix_cache: bool = True      # start each cell at its layer from states computed once: same numbers, half the work
+    max_memory: int | str | None = None   # bytes or '300MiB': a model bigger than memory, read layer by layer
 
     def __post_init__(self):
+        if self.max_memory is not None:
+            from .walk import parse_size
+
+            self.max_memory = parse_size(self.max_memory)
         for name in ("seq_len", "max_tokens", "batch_size"):
             value = getattr(self, name)
             least = 1 if name == "batch_size" else 2
@@ -89,8 +96,17 @@ def profile_cells(num_layers: int, k_orig: int) -> dict[tuple[int, ...], list[tu
 def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig | dict | None = None,
                         output: str | os.PathLike | None = None, calib_name: str = "text",
                         on_cell: Callable[[int, int], None] | None = None) -> dict[str, Any]:
-    """Profile every (layer, k) cell; returns the profile dict (also written to `output` if given)."""
+    """Profile every (layer, k) cell; returns the profile dict (also written to `output` if given).
+
+    `model` is a loaded model, or a model folder (its path, or the ModelSpec of `inspect_model`), which
+    is then loaded here; `tokenizer` None takes the folder's. With `config.max_memory` it must be a
+    folder: a model that fits under the cap is loaded whole, a bigger one is read layer by layer
+    (calibrate/walk.py), and a cap too small for that is refused before any weight is read."""
     config = checked_config(ProfileConfig, config)
+    spec = _model_folder(model, config)
+    if spec is not None:
+        tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
+        model = spec.skeleton()                      # the layout, no weights: loaded below once the work is known
     fingerprint = model_fingerprint(model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     seq_len = window_len(model, config.seq_len)
@@ -106,7 +122,11 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     todo = [cfg for cfg in configs if _key(cfg) not in done]
 
     started = time.time()
-    run = _ProfileRun(model, tokenizer, windows, config, fingerprint, todo)
+    onloaded = None
+    if spec is not None and todo:
+        model, onloaded, run = _folder_run(spec, tokenizer, windows, config, fingerprint, todo)
+    else:
+        run = _ProfileRun(model, tokenizer, windows, config, fingerprint, todo)
     bar = _CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                    disable=not config.progress, work_total=run.planned_passes())
@@ -121,6 +141,8 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     finally:
         bar.close()
         run.release()
+        if onloaded is not None:
+            onloaded.release()
 
     sensitivity = [[0.0] * k_orig for _ in range(num_layers)]
     for cfg, filled in configs.items():
@@ -140,6 +162,40 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     return profile
 
 
+def _model_folder(model, config: ProfileConfig):
+    """The ModelSpec of a model given as a folder (path or ModelSpec); None for a loaded model."""
+    from ..models import ModelSpec, inspect_model
+
+    if isinstance(model, ModelSpec):
+        return model
+    if isinstance(model, (str, os.PathLike)):
+        return inspect_model(model)
+    if config.max_memory is not None:
+        raise AllocMoeError("max_memory (--max-memory) needs the model's folder, not a loaded model, so that its "
+                            "weights are read a layer at a time; pass the folder: "
+                            "profile_sensitivity('path/to/model', None, text, {'max_memory': '300MiB'})")
+    return None
+
+
+def _folder_run(spec, tokenizer, windows: torch.Tensor, config: ProfileConfig, fingerprint: dict[str, Any],
+                todo: list[tuple[int, ...]]):
+    """(model, onloaded model or None, run) for a model folder: loaded as usual without a cap; under a
+    cap, read whole when it fits and layer by layer when it does not (a cap too small is refused here,
+    before any weight is read)."""
+    if config.max_memory is None:
+        model, _ = spec.load()
+        return model, None, _ProfileRun(model, tokenizer, windows, config, fingerprint, todo)
+    onloaded = OnloadedModel(spec)
+    plan = memory_plan(onloaded, windows, config.batch_size, config.max_memory)
+    if plan.fits():
+        for name in onloaded.pieces:
+            onloaded.load(name)
+        return onloaded.model, onloaded, _ProfileRun(onloaded.model, tokenizer, windows, config, fingerprint, todo,
+                                                     facts=whole_model_facts(onloaded, plan))
+    plan.check()
+    return onloaded.model, onloaded, WalkRun(onloaded, windows, config, fingerprint, todo, plan)
+
+
 def _key(configuration: tuple[int, ...]) -> str:
     return ",".join(map(str, configuration))
 
@@ -149,8 +205,9 @@ class _ProfileRun:
     passes otherwise (or from the moment the prefix cache is refused), with the work they cost."""
 
     def __init__(self, model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fingerprint: dict[str, Any],
-                 todo: list[tuple[int, ...]]):
+                 todo: list[tuple[int, ...]], facts: dict[str, Any] | None = None):
         self.model, self.tokenizer, self.windows, self.config = model, tokenizer, windows, config
+        self.facts = facts or {}                   # more provenance (how a capped run loaded the model)
         self.moe_layers, self.k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
         self.num_decoder_layers = int(getattr(model.config, "num_hidden_layers", max(self.moe_layers) + 1))
         self.tokens, self.check_tokens = int(windows.numel()), int(windows.size(1))   # the check: one window
@@ -223,7 +280,7 @@ class _ProfileRun:
                  "peak_cache_bytes": self.peak_cache_bytes}
         if self.refused:
             facts["prefix_cache_refused"] = self.refused
-        return facts
+        return {**facts, **self.facts}
 
 
 class _CellBar(tqdm):

@@ -17,6 +17,8 @@ def add_parsers(sub) -> None:
     add_calib_tokens(p, 8192)
     p.add_argument("--output", required=True, help="profile JSON to write")
     add_prefix_cache(p)
+    p.add_argument("--max-memory", default=None, help="for a model bigger than memory, e.g. 300MiB: weights, states and "
+                   "working memory stay under it, the model read layer by layer (see docs/profiling.md)")
     add_quiet(p)
     p.set_defaults(func=cmd_profile)
 
@@ -42,10 +44,10 @@ def cmd_profile(args) -> None:
     check_output_file(args.output)
     text, name = read_text(args.calib_text, "calibration")
     config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
-                           progress=not args.quiet, prefix_cache=args.prefix_cache)
+                           progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory)
     spec = inspect(args)
     check_text_length(spec.tokenizer(), text, check_seq_len(spec, args.seq_len), args.calib_tokens)
-    model, tok = load(args, spec)
+    model, tok = (spec, spec.tokenizer()) if config.max_memory is not None else load(args, spec)
     profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
     print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
 
