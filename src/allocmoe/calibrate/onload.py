@@ -111,6 +111,7 @@ class OnloadedModel:
         converters = [m for m in mapping if isinstance(m, WeightConverter)]
         self._mapping = mapping
         targets: dict[str, list[str]] = {}          # model name -> checkpoint keys that make it
+        self._target_of: dict[str, str] = {}        # checkpoint key -> the model name it makes
         converted: set[str] = set()
         for key in self._stored:
             target, pattern = rename_source_key(key, renamings, converters, self.model.base_model_prefix,
@@ -118,6 +119,7 @@ class OnloadedModel:
             if target not in self._placeholders and key in self._placeholders:
                 target, pattern = key, None
             if target in self._placeholders:
+                self._target_of[key] = target
                 targets.setdefault(target, []).append(key)
                 if pattern is not None:
                     converted.add(target)
@@ -199,9 +201,14 @@ class OnloadedModel:
         hf_logging.disable_progress_bar()             # transformers' "Loading weights" bar, once per piece
         saved_async = os.environ.get("HF_DEACTIVATE_ASYNC_LOAD")
         os.environ["HF_DEACTIVATE_ASYNC_LOAD"] = "1"  # read tensor by tensor as they are converted, not ahead
+        mismatched, errors = set(), {}
         try:
             with mapped_allocations():
-                info, _ = convert_and_load_state_dict_in_model(self.model, sources, config)
+                for group in self._by_target(sources):   # one tensor at a time, freed memory returned between
+                    info, _ = convert_and_load_state_dict_in_model(self.model, group, config)
+                    mismatched |= info.mismatched_keys
+                    errors.update(info.conversion_errors)
+                    release_freed_memory()
         finally:
             if saved_async is None:
                 os.environ.pop("HF_DEACTIVATE_ASYNC_LOAD", None)
@@ -214,14 +221,21 @@ class OnloadedModel:
             if source not in already and source not in piece.params:      # read for the head only:
                 _set(self.model, source, self._placeholders[source])      # the embedding stays unloaded
         still = [name for name in piece.params if _get(self.model, name).is_meta]
-        if still or info.mismatched_keys or info.conversion_errors:
+        if still or mismatched or errors:
             self.free(piece.name)
-            why = (f"{still[0]} was not in them" if still else f"{sorted(info.mismatched_keys)[0][0]} has another shape"
-                   if info.mismatched_keys else next(iter(info.conversion_errors.values())).splitlines()[0])
+            why = (f"{still[0]} was not in them" if still else f"{sorted(mismatched)[0][0]} has another shape"
+                   if mismatched else next(iter(errors.values())).splitlines()[0])
             raise AllocMoeError(f"cannot read the {piece.name} weights from {self.path} ({why}); "
                                 "profile without --max-memory, or save the model again")
         self.reads[piece.name] += bool(sources)      # a tied head whose embedding is loaded reads nothing
         self.bytes_read += sum(stored.nbytes for stored in sources.values())
+
+    def _by_target(self, sources: dict[str, StoredTensor]) -> list[dict[str, StoredTensor]]:
+        """The checkpoint tensors grouped by the model tensor they make (a converted one has several)."""
+        groups: dict[str, dict[str, StoredTensor]] = {}
+        for key, stored in sources.items():
+            groups.setdefault(self._target_of[key], {})[key] = stored
+        return list(groups.values())
 
     def release(self) -> None:
         """Free every piece."""

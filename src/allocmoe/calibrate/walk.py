@@ -61,11 +61,9 @@ def parse_size(value: Any, what: str = "max_memory (--max-memory)") -> int:
 
 def format_size(bytes_: int) -> str:
     """Rounded up, so that a minimum named this way is enough."""
-    if bytes_ >= 2**30:
-        return f"{math.ceil(bytes_ / 2**30 * 100) / 100:.2f}GiB"
-    if bytes_ >= 10 * 2**20:
-        return f"{math.ceil(bytes_ / 2**20)}MiB"
-    return f"{math.ceil(bytes_ / 2**10)}KiB"
+    for unit, scale, step in (("GiB", 2**30, 100), ("MiB", 2**20, 10), ("KiB", 2**10, 1)):
+        if bytes_ >= scale or unit == "KiB":
+            return f"{math.ceil(bytes_ / scale * step) / step:g}{unit}"
 
 
 # -- the memory plan -------------------------------------------------------------------------------------
