@@ -17,8 +17,8 @@ def add_parsers(sub) -> None:
     add_calib_tokens(p, 8192)
     p.add_argument("--output", required=True, help="profile JSON to write")
     add_prefix_cache(p)
-    p.add_argument("--max-memory", default=None, help="for a model bigger than memory, e.g. 300MiB: weights, states and "
-                   "working memory stay under it, the model read layer by layer (see docs/profiling.md)")
+    p.add_argument("--max-memory", default=None, metavar="SIZE", help="for a model bigger than memory, e.g. 300MiB: "
+                   "weights, states and working memory stay under it, the model read layer by layer (see docs/profiling.md)")
     add_quiet(p)
     p.set_defaults(func=cmd_profile)
 
