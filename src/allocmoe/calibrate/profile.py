@@ -12,6 +12,10 @@ the naive ones (bit for bit on CPU); a model that cannot start a pass at a layer
 profiled the naive way, every cell a full pass, with a warning. Work is counted in decoder-layer
 passes (tokens x decoder layers) and recorded beside what the naive protocol runs for the same cells.
 
+Models bigger than memory (ProfileConfig.max_memory, given with the model's folder): the pending
+cells walk the model layer by layer, each layer read once per group of cells that fits the cap
+(calibrate/walk.py, calibrate/onload.py), to the same numbers; a model that fits is loaded whole.
+
 Resuming: after every cell the finished cells are written atomically to `<output>.partial.json`
 with the arguments that produced them; a rerun with the same arguments skips them (recomputing the
 held states up to the first unfinished layer in one pass), so a run killed at any point recomputes
@@ -23,7 +27,9 @@ Profile file (format_version 1): {"format_version", "model": fingerprint, "k_ori
 docs/schemas/profile.schema.json. Provenance of this run: configurations_run (all) and
 configurations_resumed (finished by an earlier run), prefix_cache (asked for and never refused)
 and prefix_cache_refused (why it was), layer_passes and naive_layer_passes (this run's cells),
-decoder_layers, peak_cache_bytes (hidden states held at once), seconds_this_run, config.
+decoder_layers, peak_cache_bytes (hidden states held at once), seconds_this_run, config; with a cap,
+layer_by_layer, weight_reads (per decoder layer, max, embedding, head), weight_bytes_read and memory
+(cap, planned peak, least cap, model bytes, walks, cells per walk).
 """
 
 from __future__ import annotations
