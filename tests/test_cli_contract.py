@@ -101,6 +101,13 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*A, "--budget", "0.5", "--method", "alloc-t", "--pool", "nope"], "invalid choice: 'nope'"),
         Row([*A, "--budget", "0.5", "--meth", "uniform"], "unrecognized"),
         Row([*A, "--budget", "0.5", "--method", "alloc-l", "--profile", other_profile], "made for another model"),
+        # a perplexity target instead of a budget: one of the two, a number, a value some budget could meet
+        Row([*A, "--method", "uniform"], "no --budget was given; give --budget B (e.g. 0.5) or --target-ppl T"),
+        Row([*A, "--budget", "0.5", "--target-ppl", "5%"], "both --budget and --target-ppl were given"),
+        Row([*A, "--target-ppl", "abc"], "perplexity target 'abc' is not a number"),
+        Row([*A, "--target-ppl=-3%"], "perplexity target '-3%' is out of range"),
+        Row([*A, "--target-ppl", "0.5"], "perplexity target '0.5' is out of range"),
+        Row([*A, "--target-ppl", "nan"], "perplexity target 'nan' is out of range"),
         Row([*A, "--budget", "0.5", "--method", "alloc-moe", "--profile", other_profile], "made for another model"),
         Row([*U, "--budget", "0.5", "--profile", other_profile], "made for another model"),
         Row([*A, "--budget", "0.5", "--method", "alloc-l", "--profile", f("missing.json")], "profile file not found"),

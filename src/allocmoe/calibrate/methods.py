@@ -198,10 +198,18 @@ def calibrate_naee(table: torch.Tensor, target: float) -> tuple[float, float]:
 
 
 # -- the entry point -----------------------------------------------------------------------------
-def allocate(budget: str | float | Budget, method: str = "auto", *, profile: dict | None = None, model=None,
-             tokenizer=None, calib_text: str | None = None, config: AllocateConfig | dict | None = None) -> Plan:
-    """Make a plan for `budget` (fraction "0.5", count "78", or a Budget) with `method`."""
+def allocate(budget: str | float | Budget | None = None, method: str = "auto", *, profile: dict | None = None,
+             model=None, tokenizer=None, calib_text: str | None = None, config: AllocateConfig | dict | None = None,
+             target_ppl: str | float | None = None) -> Plan:
+    """Make a plan for `budget` (fraction "0.5", count "78", or a Budget) with `method`; or, with
+    `target_ppl` ("5%" above the full model, or a perplexity) instead of a budget, the plan of the
+    smallest budget that meets it on calibration text (calibrate/target.py; needs the model and text)."""
     config = checked_config(AllocateConfig, config)
+    if (budget is None) == (target_ppl is None):
+        said = "both a budget and a perplexity target were given" if budget is not None else "no budget was given"
+        raise AllocMoeError(f"{said}; give a budget (e.g. 0.5) or target_ppl (e.g. '5%'), one of the two")
+    if target_ppl is not None:
+        return _allocate_for_target(target_ppl, method, profile, model, tokenizer, calib_text, config)
     if method not in METHODS:
         raise AllocMoeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in PROFILE_METHODS + ("auto",) and profile is None:
@@ -245,6 +253,45 @@ def allocate(budget: str | float | Budget, method: str = "auto", *, profile: dic
             policies.append(NaeeSkip(beta=round(beta, 6), k=round(measured, 4)))
         return _plan(fingerprint, policies, method, budget)
     return _auto(budget, profile, model, windows, config)
+
+
+def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, calib_text,
+                         config: AllocateConfig) -> Plan:
+    """Bisect over whole budgets for the smallest whose `method` plan meets the target (calibrate/target.py)."""
+    from dataclasses import replace
+
+    from .target import parse_target, smallest_budget, target_provenance
+
+    if model is None:
+        raise AllocMoeError("a perplexity target needs the model (and calibration text) to score plans; "
+                            "pass model=, tokenizer= and calib_text=")
+    windows = _calibration_windows(model, tokenizer, calib_text, config)
+    score = {"batch_size": config.batch_size, "progress": False}
+    full_ppl = evaluate_perplexity(model, None, "", score, windows=windows).perplexity
+    target = parse_target(target_ppl, full_ppl)
+    fingerprint = _fingerprint(profile, model)
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+    inner = replace(config, progress=False)          # one bar for the search, none per step
+    plans: dict[int, Plan] = {}
+    steps = max(1, math.ceil(math.log2(num_layers * (k_orig - 1) + 1))) + 1
+    bar = tqdm(total=steps, desc=f"target ppl {target:.4g}", unit="budget", disable=not config.progress)
+
+    def ppl_at(count: int) -> float:
+        plans[count] = allocate(count, method, profile=profile, model=model, tokenizer=tokenizer,
+                                calib_text=calib_text, config=inner)
+        with apply_plan(model, plans[count]):
+            return evaluate_perplexity(model, None, "", score, windows=windows).perplexity
+
+    try:
+        found, tried = smallest_budget(num_layers, k_orig, target, full_ppl, ppl_at,
+                                       lambda count, ppl: (bar.update(1), bar.set_postfix_str(f"B={count}: {ppl:.4g}")))
+    finally:
+        bar.close()
+    plan = plans.get(found) or allocate(found, method, profile=profile, model=model, tokenizer=tokenizer,
+                                        calib_text=calib_text, config=inner)
+    plan.provenance = {**plan.provenance, "target": target_provenance(
+        target_ppl, target, full_ppl, found, tried, int(windows.numel() - windows.size(0)))}
+    return plan
 
 
 def _auto(budget: Budget, profile, model, windows, config: AllocateConfig) -> Plan:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 
+from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, check_output_file, check_seq_len, check_text_length,
                      inspect, load, positive_int)
 
@@ -22,11 +23,14 @@ def add_parsers(sub) -> None:
     add_quiet(p)
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("allocate", help="turn a budget (and a profile) into a plan")
+    p = sub.add_parser("allocate", help="turn a budget, or a perplexity target (and a profile), into a plan")
     add_model_flags(p)
     p.add_argument("--profile", default=None, help="profile JSON (needed by alloc-moe, alloc-l, auto)")
     p.add_argument("--calib-text", default=None, help="calibration text for top-p, naee, auto, profiling")
-    p.add_argument("--budget", required=True, help="fraction of full (0.5, 1/2, 50%%) or count (78)")
+    p.add_argument("--budget", default=None, help="fraction of full (0.5, 1/2, 50%%) or count (78)")
+    p.add_argument("--target-ppl", default=None, metavar="TARGET",
+                   help="instead of --budget: the smallest budget whose plan stays within this calibration "
+                        "perplexity, relative to the full model (5%%) or absolute (157.0)")
     p.add_argument("--method", default="auto", choices=METHODS, help="allocation method (default: auto)")
     p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T: experts every token keeps (default 1)")
     p.add_argument("--pool", default="batch", choices=("batch", "sequence"), help="Alloc-T pool extent")
@@ -61,24 +65,32 @@ def cmd_allocate(args) -> None:
     from ..core.budget import Budget
     from ..texts import read_text
 
+    from ..calibrate.target import parse_target
+
     check_output_file(args.output)
+    if (args.budget is None) == (args.target_ppl is None):
+        said = "both --budget and --target-ppl were given" if args.budget else "no --budget was given"
+        raise AllocMoeError(f"{said}; give --budget B (e.g. 0.5) or --target-ppl T (e.g. 5%), one of the two")
+    if args.target_ppl is not None:
+        parse_target(args.target_ppl, 1.0)           # its form, before any work; its value needs the model
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
                             seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet)
     spec = inspect(args)
     skeleton = spec.skeleton()
     profile = load_profile(args.profile, skeleton) if args.profile else None
     fingerprint = spec.fingerprint()
-    Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+    if args.budget is not None:
+        Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
     seq_len = check_seq_len(spec, args.seq_len)
     profiles_first = profile is None and args.method in PROFILE_METHODS + ("auto",)
-    calibrates = profiles_first or args.method in ("top-p", "naee", "auto")
+    calibrates = profiles_first or args.method in ("top-p", "naee", "auto") or args.target_ppl is not None
     text = name = None
     if calibrates or args.calib_text is not None:
         text, name = read_text(args.calib_text, "calibration")
     if calibrates:
         check_text_length(spec.tokenizer(), text, seq_len, args.calib_tokens)
     model, tok = skeleton, None
-    if profiles_first or args.method in MODEL_METHODS:
+    if profiles_first or args.method in MODEL_METHODS or args.target_ppl is not None:
         model, tok = load(args, spec)
     if profiles_first:
         print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
@@ -86,8 +98,14 @@ def cmd_allocate(args) -> None:
             seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
             progress=not args.quiet, prefix_cache=args.prefix_cache), calib_name=name)
     plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok,
-                    calib_text=text if calibrates else None, config=config)
+                    calib_text=text if calibrates else None, config=config, target_ppl=args.target_ppl)
     plan.save(args.output)
     ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
     print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",
           file=sys.stderr)
+    if args.target_ppl is not None:
+        found = plan.provenance["target"]
+        print(f"target {found['perplexity']:.4g} (full model {found['full_calibration_perplexity']:.4g}): the "
+              f"smallest budget meeting it is {found['budget_found']}, calibration perplexity "
+              f"{found['calibration_perplexity']:.4g}; `allocmoe eval --plan {args.output}` gives the test figure",
+              file=sys.stderr)

@@ -1,0 +1,77 @@
+"""A quality target instead of a budget: the smallest budget whose plan stays within a perplexity target.
+
+`allocate(target_ppl="5%", method=..., model=..., ...)` (or `allocmoe allocate --target-ppl 5%`)
+bisects over whole budgets, L..L*K_orig activations per token, with the chosen method: each step
+makes that budget's plan (cheap: the profile is reused) and scores it on the calibration text. The
+target is either relative to the full model's calibration perplexity ("5%": at most 1.05 x full) or
+an absolute perplexity ("157.0").
+
+Bisection assumes calibration perplexity does not rise when the budget grows. It need not hold
+exactly (the DP's allocations at neighbouring budgets can differ in several layers), so the answer
+is guaranteed to meet the target and to be the smallest budget meeting it among those tried, and
+every budget tried is recorded with its perplexity in the plan's provenance (`target.tried`), where a
+user can check it. No test text is ever looked at.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Callable
+
+from ..errors import AllocMoeError
+
+
+def parse_target(text: str | float, full_ppl: float) -> float:
+    """"5%" -> full_ppl x 1.05; "157" or 157.0 -> 157.0. Refuses what no model could meet or mean."""
+    raw = str(text).strip()
+    try:
+        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+    except ValueError:
+        raise AllocMoeError(f"perplexity target {raw!r} is not a number; give a percentage above the full "
+                            "model's calibration perplexity (5%) or a perplexity (157.0)") from None
+    if not math.isfinite(value) or value < 0 or (not raw.endswith("%") and value < 1):
+        raise AllocMoeError(f"perplexity target {raw!r} is out of range; give a percentage >= 0 (5%) or a "
+                            "perplexity >= 1 (157.0)")
+    return full_ppl * (1 + value) if raw.endswith("%") else value
+
+
+def smallest_budget(num_layers: int, k_orig: int, target: float, full_ppl: float,
+                    ppl_at: Callable[[int], float], progress: Callable[[int, float], None] | None = None
+                    ) -> tuple[int, dict[int, float]]:
+    """(the smallest whole budget B in [L, L*K] with ppl_at(B) <= target, {budget: perplexity} tried).
+
+    `ppl_at(B)` scores B's plan on calibration text. The full budget is the unmodified model, whose
+    perplexity `full_ppl` the caller measured; a target below it cannot be met and is refused.
+    """
+    full = num_layers * k_orig
+    if full_ppl > target:
+        raise AllocMoeError(f"no budget meets the perplexity target {target:.4g}: the full model's calibration "
+                            f"perplexity is {full_ppl:.4g}; give a target at or above it")
+    tried: dict[int, float] = {full: full_ppl}
+
+    def meets(budget: int) -> bool:
+        if budget not in tried:
+            tried[budget] = ppl_at(budget)
+            if progress:
+                progress(budget, tried[budget])
+        return tried[budget] <= target
+
+    low, high = num_layers, full          # invariant: high meets the target; budgets below low were ruled out
+    if meets(low):
+        return low, tried
+    while high - low > 1:                 # low fails, high meets
+        middle = (low + high) // 2
+        if meets(middle):
+            high = middle
+        else:
+            low = middle
+    return high, tried
+
+
+def target_provenance(given: str | float, target: float, full_ppl: float, budget: int,
+                      tried: dict[int, float], calib_tokens: int) -> dict[str, Any]:
+    """What the plan records about how its budget was found."""
+    return {"given": str(given), "perplexity": round(target, 6), "full_calibration_perplexity": round(full_ppl, 6),
+            "budget_found": budget, "calibration_perplexity": round(tried[budget], 6),
+            "calibration_tokens": calib_tokens,
+            "tried": {str(b): round(p, 6) for b, p in sorted(tried.items())}}

@@ -1,0 +1,91 @@
+"""A perplexity target instead of a budget: the bisection finds the smallest whole budget meeting it,
+checked against brute force over every budget, on made-up curves and on a tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity, load_model, read_text
+from allocmoe.calibrate.target import parse_target, smallest_budget
+from allocmoe.cli import main
+
+
+def brute_force(curve: dict[int, float], target: float) -> int:
+    return min(b for b, p in curve.items() if p <= target)
+
+
+@pytest.mark.parametrize("target", [101.0, 104.5, 110.0, 130.0, 200.0, 1000.0])
+def test_on_a_falling_curve_the_bisection_is_the_brute_force_answer(target):
+    layers, k_orig = 3, 4                                   # budgets 3..12
+    curve = {b: 100.0 + 90.0 / (b - 2) ** 1.5 for b in range(3, 13)}
+    curve[12] = 100.0
+    calls = []
+    found, tried = smallest_budget(layers, k_orig, target, curve[12], lambda b: calls.append(b) or curve[b])
+    assert found == brute_force(curve, target)
+    assert len(calls) <= 5 and all(tried[b] == curve[b] for b in tried)      # log2(10) + 1 evaluations
+
+
+def test_on_a_bumpy_curve_the_answer_meets_the_target_and_the_budget_below_it_does_not():
+    curve = {3: 300.0, 4: 180.0, 5: 150.0, 6: 170.0, 7: 140.0, 8: 130.0, 9: 125.0, 10: 121.0, 11: 120.5, 12: 120.0}
+    found, tried = smallest_budget(3, 4, 160.0, 120.0, lambda b: curve[b])
+    assert curve[found] <= 160.0 and found - 1 in tried and tried[found - 1] > 160.0
+
+
+def test_targets_are_parsed_and_refused_clearly():
+    assert parse_target("5%", 200.0) == pytest.approx(210.0) and parse_target("157", 150.0) == 157.0
+    for bad in ("abc", "-1%", "0.5", "nan", "inf%"):
+        with pytest.raises(AllocMoeError, match="perplexity target"):
+            parse_target(bad, 100.0)
+    with pytest.raises(AllocMoeError, match="the full model's calibration perplexity is 150"):
+        smallest_budget(3, 4, 140.0, 150.0, lambda b: 1e9)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    """An OLMoE-style tiny model whose experts are scaled up, so the budget moves its perplexity."""
+    import torch
+
+    from conftest import build_tiny
+
+    _, tok = load_model(tiny_folder)
+    model = build_tiny("olmoe", vocab_size=len(tok), max_position_embeddings=256)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.mul_(8)
+    text, _ = read_text(None, "calibration")
+    return model, tok, text[:20000]
+
+
+def test_on_a_tiny_model_the_answer_is_checked_against_every_budget_scored_alone(tiny):
+    model, tok, text = tiny
+    scored = {}
+    for budget in range(3, 13):                              # every budget of the 3-layer, K=4 model
+        with apply_plan(model, allocate(budget, "uniform", model=model)):
+            scored[budget] = evaluate_perplexity(model, tok, text, {"seq_len": 64, "max_tokens": 512,
+                                                                      "progress": False}).perplexity
+    target = sorted(scored.values())[4] + 1e-9               # met by some budgets, not by others
+    config = {"seq_len": 64, "calib_max_tokens": 512, "batch_size": 4, "progress": False}
+    plan = allocate(method="uniform", target_ppl=f"{target!r}", model=model, tokenizer=tok, calib_text=text,
+                    config=config)
+    found = plan.provenance["target"]
+    for budget, ppl in found["tried"].items():               # what it measured is what scoring alone gives
+        assert ppl == pytest.approx(scored[int(budget)], rel=1e-5)
+    budget = int(plan.budget)
+    assert budget == found["budget_found"] and scored[budget] <= target
+    assert budget == 3 or scored[budget - 1] > target         # the budget below it misses the target
+    monotone = all(scored[b] >= scored[b + 1] for b in range(3, 12))
+    if monotone:
+        assert budget == min(b for b in scored if scored[b] <= target)
+
+
+def test_the_cli_writes_the_plan_with_what_it_found(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "plan.json"
+    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--target-ppl", "10%", "--seq-len", "64",
+          "--calib-tokens", "512", "--output", str(out), "--quiet"])
+    err = capsys.readouterr().err
+    assert "the smallest budget meeting it is" in err and out.exists()
+    from allocmoe import Plan
+
+    plan = Plan.load(out)
+    assert plan.provenance["target"]["given"] == "10%" and plan.budget == plan.provenance["target"]["budget_found"]
