@@ -19,18 +19,14 @@ import time
 
 import torch
 
+from machine import cpu_name
+
 from allocmoe import load_model, model_fingerprint, profile_sensitivity, read_text
 from allocmoe.calibrate.prefix import layer_passes, naive_layer_passes, profile_schedule
 from allocmoe.calibrate.profile import profile_cells
 from allocmoe.measure.synthetic import synthetic_config
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def counted_work(shape: str, tokens: int, seq_len: int, batch_size: int) -> None:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import copy
 import json
-import platform
 import time
 
 import torch
@@ -34,6 +33,7 @@ from allocmoe.core.policies import AllocT
 from allocmoe.measure.evaluate.perplexity import evaluate_perplexity, tokenize_windows
 from allocmoe.routing.adapters import adapter_for_model
 from allocmoe.routing.adapters.base import MoEAdapter
+from machine import cpu_name
 
 
 class Substitution:
@@ -110,7 +110,7 @@ def main() -> None:
     model, tok = allocmoe.load_model()
     calib = tokenize_windows(tok, allocmoe.read_text(None, "calibration")[0], 512, args.calib_tokens)
     test = tokenize_windows(tok, allocmoe.read_text(None, "test")[0], 512, args.eval_tokens)
-    print(f"# built-in model; {platform.processor() or platform.machine()}, 1 torch thread, fp32; calibration "
+    print(f"# built-in model; {cpu_name()}, 1 torch thread, fp32; calibration "
           f"{calib.numel() - calib.size(0)} scored tokens, test {test.numel() - test.size(0)}; windows of 512")
 
     def ppl(plan, windows) -> float:

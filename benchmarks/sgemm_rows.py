@@ -13,23 +13,18 @@ expert's 35 MB of weights.
 from __future__ import annotations
 
 import argparse
-import platform
 import statistics
 import time
 
 import torch
+
+from machine import cpu_name
 
 from allocmoe.routing.experts import _row_window
 
 EXPERTS = 8       # distinct weight matrices cycled through, so each product reads its weights from memory
 
 
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as info:
-            return next(line.split(":", 1)[1].strip() for line in info if line.startswith("model name"))
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int) -> float:
