@@ -70,8 +70,22 @@ class ProfileConfig:
     progress: bool = True          # show a progress bar with cells done and time left
     prefix_cache: bool = True      # start each cell at its layer from states computed once: same numbers, half the work
     max_memory: int | str | None = None   # bytes or '300MiB': a model bigger than memory, read layer by layer
+    ray: str | None = None         # fan cells out on Ray: 'local' starts an instance, 'auto' or an address joins one
+    ray_workers: int | None = None  # Ray actors, each holding the model; None = the cluster's CPUs // threads
+    threads_per_worker: int = 1    # torch threads (and Ray CPUs) per actor
 
     def __post_init__(self):
+        if self.ray is not None:
+            from .distributed import check_ray
+
+            check_ray()
+            for name in ("ray_workers", "threads_per_worker"):
+                value = getattr(self, name)
+                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                    raise AllocMoeError(f"{name} must be a whole number >= 1, got {value!r}")
+            if self.max_memory is not None:
+                raise AllocMoeError("--ray and --max-memory cannot be combined yet; profile a model bigger than "
+                                    "memory in one process (--max-memory), or one that fits on Ray (--ray)")
         if self.max_memory is not None:
             from .walk import parse_size
 
@@ -129,7 +143,9 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
 
     started = time.time()
     onloaded = None
-    if spec is not None and todo:
+    if config.ray is not None:
+        run = _ray_run(spec, windows, config, fingerprint, todo)
+    elif spec is not None and todo:
         model, onloaded, run = _folder_run(spec, tokenizer, windows, config, fingerprint, todo)
     else:
         run = _ProfileRun(model, tokenizer, windows, config, fingerprint, todo)
@@ -159,7 +175,8 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
         "metric": "perplexity", "calibration": calibration, "sensitivity": sensitivity,
         "provenance": {"configurations_run": len(configs), "configurations_resumed": len(configs) - len(todo),
                        "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
-                       "torch_threads": torch.get_num_threads(), **run.provenance()},
+                       "torch_threads": config.threads_per_worker if config.ray is not None else torch.get_num_threads(),
+                       **run.provenance()},
     }
     if output:
         atomic_write_json(output, profile)
@@ -176,6 +193,10 @@ def _model_folder(model, config: ProfileConfig):
         return model
     if isinstance(model, (str, os.PathLike)):
         return inspect_model(model)
+    if config.ray is not None:
+        raise AllocMoeError("ray (--ray) needs the model's folder, not a loaded model, so that each worker loads "
+                            "it once; pass the folder: profile_sensitivity('path/to/model', None, text, "
+                            "{'ray': 'local'}); allocmoe.models.inspect_model() gives the built-in model's")
     if config.max_memory is not None:
         raise AllocMoeError("max_memory (--max-memory) needs the model's folder, not a loaded model, so that its "
                             "weights are read a layer at a time; pass the folder: "
@@ -200,6 +221,15 @@ def _folder_run(spec, tokenizer, windows: torch.Tensor, config: ProfileConfig, f
                                                      facts=whole_model_facts(onloaded, plan))
     plan.check()
     return onloaded.model, onloaded, WalkRun(onloaded, windows, config, fingerprint, todo, plan)
+
+
+def _ray_run(spec, windows: torch.Tensor, config: ProfileConfig, fingerprint: dict[str, Any],
+             todo: list[tuple[int, ...]]):
+    """The cells on Ray actors that each load the folder's model once (calibrate/distributed.py)."""
+    from .distributed import RayProfileRun, RaySettings
+
+    settings = RaySettings(address=config.ray, workers=config.ray_workers, threads_per_worker=config.threads_per_worker)
+    return RayProfileRun(spec, windows, config, fingerprint, todo, settings)
 
 
 def _key(configuration: tuple[int, ...]) -> str:

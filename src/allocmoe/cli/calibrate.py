@@ -20,6 +20,8 @@ def add_parsers(sub) -> None:
     add_prefix_cache(p)
     p.add_argument("--max-memory", default=None, metavar="SIZE", help="for a model bigger than memory, e.g. 300MiB: "
                    "weights, states and working memory stay under it, the model read layer by layer (see docs/profiling.md)")
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help="fan the cells out on "
+                   "Ray actors (needs allocmoe[ray]): no value starts a local instance, 'auto' joins RAY_ADDRESS's")
     add_quiet(p)
     p.set_defaults(func=cmd_profile)
 
@@ -48,10 +50,12 @@ def cmd_profile(args) -> None:
     check_output_file(args.output)
     text, name = read_text(args.calib_text, "calibration")
     config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
-                           progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory)
+                           progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory,
+                           ray=args.ray)
     spec = inspect(args)
     check_text_length(spec.tokenizer(), text, check_seq_len(spec, args.seq_len), args.calib_tokens)
-    model, tok = (spec, spec.tokenizer()) if config.max_memory is not None else load(args, spec)
+    folder = config.max_memory is not None or config.ray is not None     # loaded by the walk or the workers
+    model, tok = (spec, spec.tokenizer()) if folder else load(args, spec)
     profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
     print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
 

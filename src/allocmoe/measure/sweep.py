@@ -57,8 +57,14 @@ class SweepConfig:
     task_limit: int | None = None                   # lm-eval: at most N examples per task
     num_fewshot: int | None = None
     include_path: str | None = None
+    ray: str | None = None                          # rows (and the profile) on Ray: 'local', 'auto' or an address
 
     def __post_init__(self):
+        if self.ray is not None:
+            from ..calibrate.distributed import check_ray
+
+            check_ray()
+            raise AllocMoeError("sweep --ray is not available yet; run `allocmoe profile --ray` and pass --profile")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise AllocMoeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
