@@ -111,3 +111,21 @@ def test_ray_flag_without_ray_is_refused_in_one_line_before_any_work(tmp_path):
         assert done.returncode == 2
         assert done.stderr.strip() == "allocmoe: error: --ray needs Ray; pip install 'allocmoe[ray]'"
         assert not (tmp_path / "p.json").exists() and not (tmp_path / "s").exists()
+
+
+def test_a_ray_sweep_gives_the_single_process_table(tiny_folder, tmp_path):
+    from allocmoe.calibrate.profile import ProfileConfig
+    from allocmoe.measure.sweep import sweep
+    from allocmoe.models import load_model
+
+    config = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_max_tokens": 256,
+              "seq_len": 32, "batch_size": 4, "progress": False,
+              "profile": ProfileConfig(max_tokens=256, progress=False)}
+    model, tok = load_model(tiny_folder)
+    single = sweep(model, tok, TEXT, TEXT, config)
+    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**config, "ray": "local",
+                   "profile": ProfileConfig(max_tokens=256, progress=False, ray_workers=2)}, output_dir=tmp_path / "s")
+    assert not ray.is_initialized()
+    assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]
+    assert on_ray["calibration"] == single["calibration"]
+    assert (tmp_path / "s" / "results.json").is_file()

@@ -203,3 +203,69 @@ class RayProfileRun:
                                       "threads_per_worker": self.settings.threads_per_worker,
                                       "workers_replaced": self.replacements,
                                       "worker_processes": len(self.pids)}}
+
+
+class _SweepWorker:
+    """Holds one loaded model; scores the full model or one (budget, method) row of a sweep."""
+
+    def __init__(self, model_path: str, trust_remote_code: bool, threads: int, work):
+        self.model, self.tokenizer = _load_model(model_path, trust_remote_code, threads)
+        self.work = work
+
+    def run(self, item):
+        if item[0] == "full":
+            return self.work.full(self.model, self.tokenizer)
+        _, budget, method = item
+        return self.work.row(self.model, self.tokenizer, budget, method, None)
+
+
+def ray_rows(spec, tokenizer, work, pairs: list, settings: RaySettings, workers: int, bar):
+    """The full model's figures and every (budget, method) row of a sweep, each a task on an actor that
+    holds the model; a task whose worker dies goes to a replacement. Returns (full, full task scores,
+    [(row, plan key, plan dict)] in the order of `pairs`)."""
+    import ray
+
+    from ..measure.sweep import relative_change
+
+    worker_class = ray.remote(num_cpus=settings.threads_per_worker, max_restarts=0, max_task_retries=0)(_SweepWorker)
+    args = (str(spec.path), bool(getattr(spec, "trust_remote_code", False)), settings.threads_per_worker,
+            ray.put(work))
+    items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
+    workers = min(workers, len(items))
+    idle = [worker_class.remote(*args) for _ in range(workers)]
+    busy: dict[Any, tuple[Any, tuple]] = {}
+    results: dict[Any, Any] = {}
+    replaced = 0
+    try:
+        while items or busy:
+            while items and idle:
+                actor, item = idle.pop(), items.pop(0)
+                busy[actor.run.remote(item)] = (actor, item)
+            bar.set_postfix_str(f"workers busy {len(busy)}/{workers}", refresh=False)
+            bar.refresh()
+            ready, _ = ray.wait(list(busy), num_returns=1)
+            actor, item = busy.pop(ready[0])
+            try:
+                results[item[0]] = ray.get(ready[0])
+            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
+                replaced += 1
+                if replaced > MAX_REPLACEMENTS * workers:
+                    raise AllocMoeError(f"Ray workers keep dying ({replaced} replaced; last: "
+                                        f"{type(exc).__name__}); rerun the sweep") from None
+                ray.kill(actor)
+                items.insert(0, item)
+                idle.append(worker_class.remote(*args))
+                continue
+            idle.append(actor)
+            if item[0] != "full":
+                bar.update(1)
+    finally:
+        for actor, _ in busy.values():
+            ray.kill(actor)
+        for actor in idle:
+            ray.kill(actor)
+    full, full_tasks = results.pop("full")
+    done = [results[index] for index in range(len(pairs))]
+    for row, _, _ in done:
+        row["relative_change"] = relative_change(row["perplexity"], full)
+    return full, full_tasks, done

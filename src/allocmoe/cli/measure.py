@@ -143,7 +143,7 @@ def cmd_sweep(args) -> None:
     profiles = profile is None and any(m in PROFILE_METHODS + ("auto",) for m in config.methods)
     if profiles or any(m in ("top-p", "naee", "auto") for m in config.methods):
         check_text_length(spec.tokenizer(), calib, seq_len, args.calib_tokens)
-    model, tok = load(args, spec)
+    model, tok = (spec, spec.tokenizer()) if args.ray is not None else load(args, spec)   # --ray: the workers load it
     results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
                     text_names=(calib_name, text_name))
     print(markdown_table(results))

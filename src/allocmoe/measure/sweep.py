@@ -64,7 +64,8 @@ class SweepConfig:
             from ..calibrate.distributed import check_ray
 
             check_ray()
-            raise AllocMoeError("sweep --ray is not available yet; run `allocmoe profile --ray` and pass --profile")
+            if self.tasks:
+                raise AllocMoeError("--tasks cannot be combined with --ray yet; score tasks without --ray")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise AllocMoeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
@@ -81,9 +82,21 @@ def environment() -> dict[str, Any]:
 def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig | dict | None = None,
           output_dir: str | Path | None = None, profile: dict | None = None,
           text_names: tuple[str, str] = ("calibration", "test")) -> dict[str, Any]:
-    """Run every (budget, method) pair; returns the results dict (and writes files to output_dir)."""
+    """Run every (budget, method) pair; returns the results dict (and writes files to output_dir).
+
+    With `config.ray` the model is given as its folder (a path or ModelSpec; `tokenizer` None takes the
+    folder's): the profile's cells and then the rows run on Ray actors that each load it once
+    (calibrate/distributed.py), to the same table."""
     config = checked_config(SweepConfig, config)
     started = time.time()
+    spec, ray_started = None, False
+    if config.ray is not None:
+        from ..calibrate.distributed import RaySettings, connect
+        from ..calibrate.profile import _model_folder
+
+        spec = _model_folder(model, ProfileConfig(ray=config.ray))
+        tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
+        model = spec.skeleton()
     fingerprint = model_fingerprint(model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     budgets = [Budget.parse(b, num_layers, k_orig) for b in config.budgets]      # fail fast on a bad one
@@ -93,57 +106,44 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
     seq_len = window_len(model, config.seq_len)
     eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
-    needs_profile = any(m in ("alloc-moe", "alloc-l", "auto") for m in config.methods)
-    if profile is None and needs_profile:
-        profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len,
-                                          "batch_size": config.batch_size, "progress": config.progress})
-        saved = Path(output_dir) / "profile.json" if output_dir else None
-        profile = _finished_profile(saved, model, calib_text, profile_config, text_names[0]) if saved else None
-        if profile is not None and config.progress:
-            print(f"reusing {saved}: same model, calibration text and settings", file=sys.stderr)
-        if profile is None:
-            profile = profile_sensitivity(model, tokenizer, calib_text, profile_config, output=saved,
-                                          calib_name=text_names[0])
-    ppl_config = {"batch_size": config.batch_size, "progress": False}
-    if config.tasks:
-        from .evaluate.harness import run_tasks
+    try:
+        if spec is not None:
+            settings = RaySettings(address=config.ray, workers=config.profile.ray_workers,
+                                   threads_per_worker=config.profile.threads_per_worker)
+            ray_started, workers = connect(settings)
+        profile = _sweep_profile(spec if spec is not None else model, tokenizer, calib_text, config, seq_len,
+                                 output_dir, profile, text_names[0])
+        ppl_config = {"batch_size": config.batch_size, "progress": False}
+        alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
+                                      seq_len=seq_len, batch_size=config.batch_size,
+                                      progress=False)      # the sweep's own bar counts the rows
+        work = _RowWork(profile, calib_text, alloc_config, eval_windows, ppl_config, config)
+        pairs = [(budget, method) for budget in budgets for method in config.methods]
+        with tqdm(total=len(pairs), desc="sweep", unit="run", disable=not config.progress) as bar:
+            if spec is not None:
+                from ..calibrate.distributed import ray_rows
 
-        def score_tasks():
-            return run_tasks(model, tokenizer, list(config.tasks), config.num_fewshot, config.task_limit,
-                             config.include_path, batch_size=config.batch_size)
-    full = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
-    full_tasks = score_tasks() if config.tasks else None
-    alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
-                                  seq_len=seq_len, batch_size=config.batch_size,
-                                  progress=False)      # the sweep's own bar counts the rows
-    rows, plans = [], {}
-    with tqdm(total=len(budgets) * len(config.methods), desc="sweep", unit="run", disable=not config.progress) as bar:
-        for budget in budgets:
-            for method in config.methods:
-                bar.set_postfix(budget=f"{budget.activations_per_token:g}", method=method)
-                plan = allocate(budget, method, profile=profile, model=model, tokenizer=tokenizer,
-                                calib_text=calib_text, config=alloc_config)
-                with apply_plan(model, plan) as handle:
-                    result = evaluate_perplexity(model, tokenizer, "", ppl_config, windows=eval_windows)
-                    measured = handle.activations_per_token()
-                    task_scores = score_tasks() if config.tasks else None
-                row = {"method": method, "budget": round(budget.fraction, 6),
-                       "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
-                       "relative_change": result.perplexity / full.perplexity - 1,
-                       "activations_per_token": measured,
-                       "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
-                if task_scores is not None:
-                    row["tasks"] = task_scores
-                if method == "auto":
-                    row["auto_choice"] = plan.provenance["details"]["chosen"]
-                rows.append(row)
-                plans[f"{method}@{budget.activations_per_token:g}"] = plan.to_dict()
-                bar.update(1)
+                full, full_tasks, done = ray_rows(spec, tokenizer, work, pairs, settings, workers, bar)
+            else:
+                full, full_tasks = work.full(model, tokenizer)
+                done = []
+                for budget, method in pairs:
+                    bar.set_postfix(budget=f"{budget.activations_per_token:g}", method=method)
+                    done.append(work.row(model, tokenizer, budget, method, full))
+                    bar.update(1)
+    finally:
+        if ray_started:
+            import ray
+
+            ray.shutdown()
+    rows = [row for row, _, _ in done]
+    plans = {key: plan for _, key, plan in done}
     results = {
         "model": {**fingerprint, "name": getattr(model.config, "_name_or_path", "")},
-        "full": {"perplexity": full.perplexity, "activations_per_token": float(num_layers * k_orig),
+        "full": {"perplexity": full["perplexity"], "activations_per_token": float(num_layers * k_orig),
                  **({"tasks": full_tasks} if config.tasks else {})},
-        "evaluation": {"text": text_names[1], "tokens": full.tokens, "windows": full.windows, "seq_len": full.seq_len,
+        "evaluation": {"text": text_names[1], "tokens": full["tokens"], "windows": full["windows"],
+                       "seq_len": full["seq_len"],
                        "batch_size": config.batch_size},
         "calibration": profile["calibration"] if profile else {"text": text_names[0]},
         "rows": rows,
@@ -158,6 +158,75 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
             atomic_write_json(folder / "plans.json", plans)
             write_report(results, folder)
     return results
+
+
+def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_len: int, output_dir, profile,
+                   calib_name: str) -> dict | None:
+    """The profile the methods need: the one given, one an earlier run of this sweep finished, or a new
+    one (on Ray when the sweep is); None when no method needs one."""
+    needs_profile = any(m in ("alloc-moe", "alloc-l", "auto") for m in config.methods)
+    if profile is not None or not needs_profile:
+        return profile
+    profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len, "batch_size": config.batch_size,
+                                      "progress": config.progress, "ray": config.ray})
+    saved = Path(output_dir) / "profile.json" if output_dir else None
+    skeleton = model.skeleton() if hasattr(model, "skeleton") else model
+    profile = _finished_profile(saved, skeleton, calib_text, profile_config, calib_name) if saved else None
+    if profile is not None and config.progress:
+        print(f"reusing {saved}: same model, calibration text and settings", file=sys.stderr)
+    if profile is None:
+        profile = profile_sensitivity(model, tokenizer, calib_text, profile_config, output=saved,
+                                      calib_name=calib_name)
+    return profile
+
+
+def relative_change(perplexity: float, full: dict[str, Any]) -> float:
+    return perplexity / full["perplexity"] - 1
+
+
+class _RowWork:
+    """What one row needs besides the model, and how it is scored: the same code in one process and on
+    every Ray worker, so a row's numbers do not depend on where it ran."""
+
+    def __init__(self, profile, calib_text: str, alloc_config: AllocateConfig, eval_windows, ppl_config: dict,
+                 config: SweepConfig):
+        self.profile, self.calib_text, self.alloc_config = profile, calib_text, alloc_config
+        self.eval_windows, self.ppl_config, self.config = eval_windows, ppl_config, config
+
+    def tasks(self, model, tokenizer):
+        from .evaluate.harness import run_tasks
+
+        config = self.config
+        return run_tasks(model, tokenizer, list(config.tasks), config.num_fewshot, config.task_limit,
+                         config.include_path, batch_size=config.batch_size)
+
+    def full(self, model, tokenizer) -> tuple[dict[str, Any], Any]:
+        """The unmodified model's perplexity facts (and task scores)."""
+        result = evaluate_perplexity(model, tokenizer, "", self.ppl_config, windows=self.eval_windows)
+        facts = {"perplexity": result.perplexity, "tokens": result.tokens, "windows": result.windows,
+                 "seq_len": result.seq_len}
+        return facts, self.tasks(model, tokenizer) if self.config.tasks else None
+
+    def row(self, model, tokenizer, budget: Budget, method: str, full: dict[str, Any] | None):
+        """(row, plan key, plan dict) of one (budget, method) pair; with `full` None (a Ray worker's row,
+        scored beside the full model's) the driver fills in relative_change with `relative_change`."""
+        fingerprint = model_fingerprint(model)
+        plan = allocate(budget, method, profile=self.profile, model=model, tokenizer=tokenizer,
+                        calib_text=self.calib_text, config=self.alloc_config)
+        with apply_plan(model, plan) as handle:
+            result = evaluate_perplexity(model, tokenizer, "", self.ppl_config, windows=self.eval_windows)
+            measured = handle.activations_per_token()
+            task_scores = self.tasks(model, tokenizer) if self.config.tasks else None
+        row = {"method": method, "budget": round(budget.fraction, 6),
+               "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
+               "relative_change": relative_change(result.perplexity, full) if full else None,
+               "activations_per_token": measured,
+               "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
+        if task_scores is not None:
+            row["tasks"] = task_scores
+        if method == "auto":
+            row["auto_choice"] = plan.provenance["details"]["chosen"]
+        return row, f"{method}@{budget.activations_per_token:g}", plan.to_dict()
 
 
 def _finished_profile(path: Path, model, calib_text: str, config: ProfileConfig, calib_name: str) -> dict | None:
