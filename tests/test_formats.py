@@ -95,7 +95,7 @@ def assert_valid_plan_document(doc: dict) -> None:
     assert set(budget) == {"activations_per_token", "full", "fraction"}
     spend = budget["activations_per_token"]
     assert is_number(spend) and fp["num_moe_layers"] * (1 - 1e-9) <= spend <= budget["full"] * (1 + 1e-9)
-    assert budget["full"] == fp["num_moe_layers"] * fp["k_orig"] and is_number(budget["fraction"])
+    assert budget["full"] == fp["num_moe_layers"] * fp["k_orig"] and is_number(budget["fraction"]) and budget["fraction"] > 0
 
 
 def assert_valid_profile_document(doc: dict) -> None:
