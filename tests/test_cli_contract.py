@@ -136,6 +136,9 @@ def cases(root: Path, model: Path) -> list[Row]:
             ("missing_folder", "model folder not found"), ("a_file", "is a file")]],
         # -- eval --------------------------------------------------------------------------------------
         Row([*E, "--eval-tokens", "-1"], "--eval-tokens: must be above 0"),
+        Row([*E, "--decode-batch", "0"], "--decode-batch: must be above 0"),
+        Row([*E, "--decode-batch", "2.5"], "--decode-batch: must be a whole number"),
+        Row([*E, "--decode-batch", "500", "--seq-len", "32", "--eval-tokens", "256"], "needs at least 500 windows"),
         Row([*E, "--eval-tokens", "3"], "too short"),
         Row([*E, "--limit", "0"], "--limit: must be above 0"),
         Row([*E, "--num-fewshot", "-1"], "--num-fewshot: must be at least 0"),

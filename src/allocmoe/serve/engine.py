@@ -11,7 +11,10 @@ So a request that arrives mid-generation joins the batch at the next decode step
 
 Rows are routed by their own plan through `PlanHandle.context.row_plans` (see apply.py): a pass
 whose rows follow different plans is one forward pass, and each row's routing is what it would be
-alone, because every policy decides a count per token and Alloc-T pools per sequence here.
+alone, because the per-token policies decide a count per token and Alloc-T pools per sequence here.
+The one exception by design is a distinct-expert budget (`distinct`): it chooses the experts of a
+whole step, so a row's routing depends on the other rows of its plan in that step (each plan's rows
+stay within their own M; rows of different plans are selected apart).
 Padding never enters the pools or the counts (the attention mask marks it), and positions come
 from each row's own real tokens, so left padding does not shift them.
 
