@@ -48,7 +48,7 @@ import torch
 from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
-from ..core.config import checked_config
+from ..core.config import check_counts, checked_config
 from ..errors import AllocMoeError
 from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
@@ -79,10 +79,8 @@ class ProfileConfig:
             from .distributed import check_ray
 
             check_ray()
-            for name in ("ray_workers", "threads_per_worker"):
-                value = getattr(self, name)
-                if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
-                    raise AllocMoeError(f"{name} must be a whole number >= 1, got {value!r}")
+            check_counts(self, {"ray_workers": 1, "threads_per_worker": 1}, {"ray_workers": "ProfileConfig.ray_workers",
+                                                                          "threads_per_worker": "ProfileConfig.threads_per_worker"})
             if self.max_memory is not None:
                 raise AllocMoeError("--ray and --max-memory cannot be combined yet; profile a model bigger than "
                                     "memory in one process (--max-memory), or one that fits on Ray (--ray)")
@@ -90,13 +88,7 @@ class ProfileConfig:
             from .walk import parse_size
 
             self.max_memory = parse_size(self.max_memory)
-        for name in ("seq_len", "max_tokens", "batch_size"):
-            value = getattr(self, name)
-            least = 1 if name == "batch_size" else 2
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-                flag = {"max_tokens": "--calib-tokens"}.get(name, "--" + name.replace("_", "-"))
-                raise AllocMoeError(f"{name} ({flag}) must be a whole number >= {least}, got {value!r}; "
-                                    f"give {least} or more")
+        check_counts(self, {"seq_len": 2, "max_tokens": 2, "batch_size": 1}, {"max_tokens": "--calib-tokens"})
 
 
 def layer_configuration(layer: int, k: int, num_layers: int, k_orig: int) -> tuple[int, ...]:

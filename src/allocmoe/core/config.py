@@ -23,3 +23,13 @@ def checked_config(cls: type[C], value: C | dict[str, Any] | None) -> C:
     if unknown:
         raise AllocMoeError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
     return cls(**value)
+
+
+def check_counts(config, least: dict[str, int], flags: dict[str, str] | None = None) -> None:
+    """Refuse count fields that are not whole numbers >= their least value (None means "default"),
+    naming the command-line flag that sets each (`--<name>` unless `flags` says otherwise)."""
+    for name, low in least.items():
+        value = getattr(config, name)
+        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
+            flag = (flags or {}).get(name, "--" + name.replace("_", "-"))
+            raise AllocMoeError(f"{name} ({flag}) must be a whole number >= {low}, got {value!r}; give {low} or more")

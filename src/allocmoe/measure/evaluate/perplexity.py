@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from ...core.config import checked_config
+from ...core.config import check_counts, checked_config
 from ...errors import AllocMoeError
 
 MIN_TOKENS = 16
@@ -35,13 +35,8 @@ class PerplexityConfig:
     decode_batch: int | None = None  # score as this many sequences decoded side by side (replaces batch_size)
 
     def __post_init__(self):
-        for name in ("seq_len", "max_tokens", "batch_size", "decode_batch"):
-            value = getattr(self, name)
-            least = 2 if name == "seq_len" else 1
-            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < least):
-                flag = {"max_tokens": "--eval-tokens"}.get(name, "--" + name.replace("_", "-"))
-                raise AllocMoeError(f"{name} ({flag}) must be a whole number >= {least}, got {value!r}; "
-                                    f"give {least} or more")
+        check_counts(self, {"seq_len": 2, "max_tokens": 1, "batch_size": 1, "decode_batch": 1},
+                     {"max_tokens": "--eval-tokens"})
 
 
 @dataclass
