@@ -262,3 +262,33 @@ def test_weights_first_kernel_is_chosen_only_for_large_fp32_experts_on_cpu():
     assert not _prefers_weights_first(tiny, hidden)
     assert not _prefers_weights_first(large, hidden.to(torch.bfloat16))
     assert not _prefers_weights_first(SimpleNamespace(**{**vars(large), "_is_expert_parallel": True}), hidden)
+
+
+
+def test_a_plan_runs_through_accelerates_device_hooks_and_removes_cleanly(ids):
+    """device_map="auto" over several GPUs, or offload, puts accelerate's hook (an instance forward that
+    moves weights and inputs) on routers and experts too. The plan runs inside the hook (as the
+    _old_forward the hook calls), so routing equals the plain model's under the same plan, and removal
+    leaves every hook as it was. Every device is the CPU here, with hooks forced onto the MoE modules."""
+    accelerate = pytest.importorskip("accelerate")
+    from conftest import build_tiny
+
+    plain, hooked = build_tiny("olmoe"), build_tiny("olmoe")
+    plan = static_plan(plain, [1, 2, 3])
+    with torch.no_grad(), apply_plan(plain, plan) as handle:
+        expected, expected_acts = plain(input_ids=ids).logits, handle.activations_per_token()
+    names = [name for name, _ in hooked.named_modules() if name.endswith((".mlp.gate", ".mlp.experts"))]
+    device_map = {"model.embed_tokens": "cpu", "model.norm": "cpu", "model.rotary_emb": "cpu", "lm_head": "cpu",
+                  **{name: "cpu" for name in names},
+                  **{f"model.layers.{i}.{part}": "cpu" for i in range(3) for part in
+                     ("self_attn", "input_layernorm", "post_attention_layernorm")}}
+    hooked = accelerate.dispatch_model(hooked, device_map=device_map, main_device="cpu", force_hooks=True)
+    modules = [hooked.get_submodule(name) for name in names]
+    before = [(m.__dict__["forward"], m.__dict__["_old_forward"]) for m in modules]
+    with torch.no_grad(), apply_plan(hooked, plan) as handle:
+        got = hooked(input_ids=ids).logits
+        assert handle.activations_per_token() == expected_acts
+    assert torch.equal(got, expected)
+    assert [(m.__dict__["forward"], m.__dict__["_old_forward"]) for m in modules] == before
+    with torch.no_grad():
+        assert torch.equal(hooked(input_ids=ids).logits, plain(input_ids=ids).logits)

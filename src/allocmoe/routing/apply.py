@@ -45,6 +45,7 @@ from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distin
 # ranking, the kept candidates are moved to the front (in rank order, a fallback expert in slot 0).
 Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 _MARK = "_allocmoe_patched"
+_SAVED = "_allocmoe_old_forward"     # under an accelerate hook: the hook's own _old_forward, put back on removal
 _HANDLE = "_allocmoe_handle"        # on the model while a handle is installed: see active_handle()
 _COPIED = ("this model is a copy of a model that had a plan applied (the copy keeps the plan's patches, which "
            "still route with the original's modules and count into the original's handle); copy the model "
@@ -302,9 +303,8 @@ class PlanHandle:
             return
         for layer in self._layers:
             for module in (layer.router, layer.experts):
-                for name in ("forward", _MARK):
-                    if name in module.__dict__:
-                        delattr(module, name)
+                _restore_forward(module)
+                module.__dict__.pop(_MARK, None)
         self._hook.remove()
         self.model.__dict__.pop(_HANDLE, None)
         self.active = False
@@ -376,7 +376,7 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
         raise AllocMoeError("a plan is already applied to this model; remove its handle first (`handle.remove()` "
                             "or leave its `with` block), or install several plans together with apply_plans "
                             "or handle.add_plan")
-    if any("forward" in module.__dict__ for layer in layers for module in (layer.router, layer.experts)):
+    if any(_replaced(module) for layer in layers for module in (layer.router, layer.experts)):
         raise AllocMoeError("this model's MoE layers already run a replaced forward (inside routed_experts_off "
                             "or allocmoe_experts?); apply the plan outside that block")
     ctx = RoutingContext()
@@ -387,9 +387,9 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
         for policy in policies[layer.index]:
             policy.check(k_orig)
     for layer in layers:
-        layer.router.forward = _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
-                                               stats[layer.index], renormalize)
-        layer.experts.forward = compact_experts_forward.__get__(layer.experts)
+        _set_forward(layer.router, _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
+                                                   stats[layer.index], renormalize))
+        _set_forward(layer.experts, compact_experts_forward.__get__(layer.experts))
         setattr(layer.router, _MARK, True)
         setattr(layer.experts, _MARK, True)
 
@@ -456,13 +456,39 @@ class _experts_forward_swapped:
 
     def __enter__(self):
         for experts in self._experts:
-            experts.forward = self._forward.__get__(experts)
+            _set_forward(experts, self._forward.__get__(experts))
         return self
 
     def __exit__(self, *exc):
         for experts in self._experts:
-            if "forward" in experts.__dict__:
-                del experts.forward
+            _restore_forward(experts)
+
+
+def _hooked(module: nn.Module) -> bool:
+    """Does accelerate's device hook (device_map, offload) wrap this module's forward?"""
+    return hasattr(module, "_hf_hook") and "_old_forward" in module.__dict__
+
+
+def _set_forward(module: nn.Module, forward) -> None:
+    """Make `module` run `forward`. Under an accelerate hook that is the `_old_forward` the hook calls, so
+    the hook still moves weights and inputs to their device around it (multi-GPU device_map, offload)."""
+    if _hooked(module):
+        module.__dict__.setdefault(_SAVED, module._old_forward)
+        module._old_forward = forward
+    else:
+        module.forward = forward
+
+
+def _restore_forward(module: nn.Module) -> None:
+    if _SAVED in module.__dict__:
+        module._old_forward = module.__dict__.pop(_SAVED)
+    elif "forward" in module.__dict__ and not _hooked(module):
+        del module.forward
+
+
+def _replaced(module: nn.Module) -> bool:
+    """Is something else (routed_experts_off, allocmoe_experts) already running in place of forward?"""
+    return _SAVED in module.__dict__ or ("forward" in module.__dict__ and not _hooked(module))
 
 
 def _no_routed_output(self, hidden_states, *args, **kwargs):
