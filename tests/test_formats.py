@@ -254,6 +254,8 @@ def test_the_unmutated_documents_load():
     (lambda d: d.pop("budget"), "budget: missing field"),
     (lambda d: d["layers"].pop("3"), "layers must be exactly the MoE layers ['1', '2', '3']"),
     (lambda d: d.update(format_version=0), "format_version 0 but this allocmoe reads version 1"),
+    (lambda d: d.update(format_version=True), "format_version True but this allocmoe reads version 1"),
+    (lambda d: d.update(format_version=1.0), "format_version 1.0 but this allocmoe reads version 1"),
     (lambda d: d["model"].update(k_orig=16), "k_orig 16 is above num_experts 8"),
 ])
 def test_plan_refusals_name_the_field_and_the_fix(change, message):

@@ -89,3 +89,15 @@ def test_the_cli_writes_the_plan_with_what_it_found(tiny_folder, tmp_path, capsy
 
     plan = Plan.load(out)
     assert plan.provenance["target"]["given"] == "10%" and plan.budget == plan.provenance["target"]["budget_found"]
+
+
+def test_with_one_moe_layer_the_smallest_budget_is_one_activation_not_the_full_model(tiny):
+    """A count of 1 must stay a count: read as a fraction it would be the full budget."""
+    from conftest import build_tiny
+
+    _, tok, text = tiny
+    model = build_tiny("qwen2_moe", vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=256)
+    plan = allocate(method="uniform", target_ppl="1000%", model=model, tokenizer=tok, calib_text=text,
+                    config={"seq_len": 64, "calib_max_tokens": 512, "progress": False})
+    assert plan.provenance["target"]["budget_found"] == 1 and plan.budget == 1.0
+    assert [policy.k for policy in plan.layers.values()] == [1]

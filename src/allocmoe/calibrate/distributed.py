@@ -61,7 +61,13 @@ def connect(settings: RaySettings) -> tuple[bool, int]:
         if address is None:           # a local instance: as many CPUs as the workers asked for, else all
             kwargs["num_cpus"] = (settings.workers * settings.threads_per_worker if settings.workers
                                   else os.cpu_count())
-        ray.init(address=address, **kwargs)
+        try:
+            ray.init(address=address, **kwargs)
+        except Exception as exc:          # Ray raises ConnectionError, ValueError, RuntimeError... for a bad address
+            where = f"the Ray cluster at {address}" if address else "a local Ray instance"
+            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
+            raise AllocMoeError(f"cannot start or join {where} ({first}); check --ray ADDRESS (or RAY_ADDRESS "
+                                "for auto), or give --ray with no value for a local instance") from None
         started = True
     cpus = int(ray.cluster_resources().get("CPU", 1))
     workers = settings.workers or max(1, cpus // settings.threads_per_worker)
@@ -124,15 +130,19 @@ class RayProfileRun:
             groups.setdefault(start_position(configuration, self.k_orig), []).append(configuration)
         self.groups = [groups[layer] for layer in sorted(groups)]
         self.started_ray, workers = connect(settings) if todo else (False, 0)
-        self.workers = min(workers, len(self.groups))
-        self.facts = {"prefix_cache": config.prefix_cache, "layer_passes": 0, "naive_layer_passes": 0,
-                      "peak_cache_bytes": 0}
-        self.replacements, self.pids = 0, set()
-        self.worker_class = ray.remote(num_cpus=settings.threads_per_worker, max_restarts=0,
-                                       max_task_retries=0)(_ProfileWorker)
-        worker_config = type(config)(**{**config.__dict__, "progress": False, "ray": None})
-        self.args = (str(spec.path), bool(getattr(spec, "trust_remote_code", False)), settings.threads_per_worker,
-                     ray.put(windows) if todo else None, worker_config, fingerprint)
+        try:                                             # a Ray this run started never outlives a failed setup
+            self.workers = min(workers, len(self.groups))
+            self.facts = {"prefix_cache": config.prefix_cache, "layer_passes": 0, "naive_layer_passes": 0,
+                          "peak_cache_bytes": 0}
+            self.replacements, self.pids = 0, set()
+            self.worker_class = ray.remote(num_cpus=settings.threads_per_worker, max_restarts=0,
+                                           max_task_retries=0)(_ProfileWorker)
+            worker_config = type(config)(**{**config.__dict__, "progress": False, "ray": None})
+            self.args = (str(spec.path), bool(getattr(spec, "trust_remote_code", False)),
+                         settings.threads_per_worker, ray.put(windows) if todo else None, worker_config, fingerprint)
+        except BaseException:
+            self.release()
+            raise
 
     def planned_passes(self) -> int:
         return 0          # the bar's time left then counts cells (the groups run side by side)

@@ -277,7 +277,8 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
     bar = tqdm(total=steps, desc=f"target ppl {target:.4g}", unit="budget", disable=not config.progress)
 
     def ppl_at(count: int) -> float:
-        plans[count] = allocate(count, method, profile=profile, model=model, tokenizer=tokenizer,
+        plans[count] = allocate(Budget(float(count), num_layers * k_orig, num_layers), method, profile=profile,
+                                model=model, tokenizer=tokenizer,
                                 calib_text=calib_text, config=inner)
         with apply_plan(model, plans[count]):
             return evaluate_perplexity(model, None, "", score, windows=windows).perplexity
@@ -287,7 +288,9 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
                                        lambda count, ppl: (bar.update(1), bar.set_postfix_str(f"B={count}: {ppl:.4g}")))
     finally:
         bar.close()
-    plan = plans.get(found) or allocate(found, method, profile=profile, model=model, tokenizer=tokenizer,
+    # a Budget, not the bare count: Budget.parse reads a count <= 1 as a fraction (1 -> the full budget)
+    plan = plans.get(found) or allocate(Budget(float(found), num_layers * k_orig, num_layers), method,
+                                        profile=profile, model=model, tokenizer=tokenizer,
                                         calib_text=calib_text, config=inner)
     plan.provenance = {**plan.provenance, "target": target_provenance(
         target_ppl, target, full_ppl, found, tried, int(windows.numel() - windows.size(0)))}

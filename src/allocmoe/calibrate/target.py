@@ -2,7 +2,9 @@
 
 `allocate(target_ppl="5%", method=..., model=..., ...)` (or `allocmoe allocate --target-ppl 5%`)
 bisects over whole budgets, L..L*K_orig activations per token, with the chosen method: each step
-makes that budget's plan (cheap: the profile is reused) and scores it on the calibration text. The
+makes that budget's plan and scores it on the calibration text. A step costs one calibration pass for
+the profile-based and budget-only methods (the profile is reused); top-p and naee also rerun their
+calibration pass, lexi its L x K deviation passes, and auto its trials, at every step. The
 target is either relative to the full model's calibration perplexity ("5%": at most 1.05 x full) or
 an absolute perplexity ("157.0").
 

@@ -1,5 +1,5 @@
 """`allocmoe export`: a plan as the command line of a serving engine (vLLM with the plugin, or an
-engine with one engine-wide k). `generate` and `serve` live with the server, in `serve.commands`."""
+engine with one engine-wide k). `generate` and `serve` are in cli/serve.py."""
 
 from __future__ import annotations
 

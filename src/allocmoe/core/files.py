@@ -13,6 +13,17 @@ from typing import Any
 from ..errors import AllocMoeError
 
 
+
+def _read_umask() -> int:
+    """The process's umask, read once at import: reading it means setting it, which is not thread-safe
+    later (a file another thread made in between would get the wrong permissions)."""
+    umask = os.umask(0o022)
+    os.umask(umask)
+    return umask
+
+
+UMASK = _read_umask()      # what new files and folders get their permissions from
+
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename over `path`."""
     path = Path(path)
@@ -22,9 +33,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(tmp, 0o666 & ~umask)          # mkstemp makes 0600; give the usual permissions
+        os.chmod(tmp, 0o666 & ~UMASK)          # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
         if tmp is not None and os.path.exists(tmp):

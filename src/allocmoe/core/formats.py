@@ -164,7 +164,7 @@ class PlanDocument(Document):
 
 
 def _layer_order(key: str) -> tuple[int, str]:
-    return (int(key), key) if key.isdigit() else (-1, key)
+    return (int(key), key) if key.isascii() and key.isdigit() else (-1, key)
 
 
 # --- profiles ----------------------------------------------------------------------------------
@@ -212,7 +212,7 @@ def validated(cls: type[Document], data: Any, source: str, version: int, fix: st
     if not isinstance(data, dict):
         raise AllocMoeError(f"{source} is not an allocmoe {_kind(cls)} (expected a JSON object); {fix}")
     found = data.get("format_version")
-    if found != version:
+    if type(found) is not int or found != version:          # true and 1.0 are not the version 1
         raise AllocMoeError(f"{source} has format_version {found!r} but this allocmoe reads version {version}; {fix}")
     try:
         return cls.model_validate(data)

@@ -14,7 +14,7 @@ import threading
 from pathlib import Path
 from typing import Any, Iterator
 
-from ..core.files import atomic_write_bytes
+from ..core.files import UMASK, atomic_write_bytes
 
 
 def markdown_table(results: dict[str, Any]) -> str:
@@ -117,18 +117,18 @@ def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
 @contextlib.contextmanager
 def written_together(out: Path) -> Iterator[Path]:
     """A temporary folder, next to `out`, to write a set of result files into. When the block ends
-    they are moved into `out` together (SIGINT and SIGTERM held off meanwhile), so `out` has all of
-    the new set or none of it, never new files beside old ones; the temporary folder is removed on
-    every exit path (only a SIGKILL or a power cut can leave a hidden `.NAME.*.tmp` folder behind)."""
+    they are moved into `out` together (SIGINT and SIGTERM held off meanwhile), so an interrupt leaves
+    all of the new set or none of it; the temporary folder is removed on every exit path (only a
+    SIGKILL or a power cut can leave a hidden `.NAME.*.tmp` folder behind). A new `out` appears by one
+    rename; into an existing `out` (a sweep's, which holds its profile.json) the files are replaced one
+    by one, so an OS error midway (a full disk) can leave some new files beside old ones."""
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)
     folder = None
     try:
         with signals_held():
             folder = Path(tempfile.mkdtemp(dir=out.parent, prefix=f".{out.name}.", suffix=".tmp"))
-        umask = os.umask(0)
-        os.umask(umask)
-        os.chmod(folder, 0o777 & ~umask)          # mkdtemp makes 0700; it may become `out` itself
+        os.chmod(folder, 0o777 & ~UMASK)          # mkdtemp makes 0700; it may become `out` itself
         yield folder
         with signals_held():
             if not out.exists():
