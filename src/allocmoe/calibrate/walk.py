@@ -292,12 +292,16 @@ class WalkRun:
         last = self.num_decoder_layers - 1
         total_nll, total_tokens = 0.0, 0
         for state, batch in zip(stream, self.batches):
+            own = self.layers[last].__dict__.get("forward")       # an instance forward (a device hook) goes back after
             self.layers[last].forward = _pass_through
             try:
                 with started_at(self.model, last, [state]):
                     logits = self.model(inputs_embeds=state).logits[:, :-1].float()        # [b, S-1, V]
             finally:
-                del self.layers[last].forward
+                if own is None:
+                    del self.layers[last].forward
+                else:
+                    self.layers[last].forward = own
             nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
                                                     reduction="sum")
             total_nll += float(nll)

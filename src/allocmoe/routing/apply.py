@@ -170,7 +170,7 @@ def _select(policy: Policy, cand_idx: torch.Tensor, cand_probs: torch.Tensor, pr
 
 def _mixed_selection(policies: list[Policy], groups: dict[int, list[int]], cand_idx: torch.Tensor,
                      cand_probs: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor,
-                     batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
+                     batch_size: int, decode_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
                                                torch.Tensor | None]:
     """The selection [T, K] when rows follow different plans: each plan's policy decides for its own
     rows alone (its rows' tokens are its whole pool, or its steps' tokens), as if those rows had been
@@ -184,7 +184,8 @@ def _mixed_selection(policies: list[Policy], groups: dict[int, list[int]], cand_
         row_idx = torch.tensor(rows, device=valid.device)
         tokens = (row_idx[:, None] * per_row + torch.arange(per_row, device=valid.device)).reshape(-1)  # [b*S]
         index[tokens], keep[tokens], counts[tokens], out = _select(
-            policies[plan_index], cand_idx[tokens], cand_probs[tokens], probs[tokens], valid[tokens], len(rows), k_orig)
+            policies[plan_index], cand_idx[tokens], cand_probs[tokens], probs[tokens], valid[tokens], len(rows), k_orig,
+            decode_steps)
         if out is not None:
             if outside is None:
                 outside, routed = torch.zeros_like(valid), torch.zeros_like(valid)
@@ -234,7 +235,8 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
             routed = valid if outside is not None else None
         else:
             index, keep, counts, outside, routed = _mixed_selection(policies, groups, cand_idx, cand_probs,
-                                                                    scores.probs, valid, ctx.batch_size)
+                                                                    scores.probs, valid, ctx.batch_size,
+                                                                    ctx.decode_steps)
         weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
         chosen, index = index, index.masked_fill(~keep, num_experts)         # [T, W] sentinel E where dropped
         stats.add(counts, valid)
