@@ -156,7 +156,7 @@ def test_an_unexpected_failure_is_one_line_and_exit_1_and_debug_shows_the_traceb
     from allocmoe.cli import measure
 
     def broken(args):
-        raise RuntimeError("boom")
+        raise RuntimeError("boom\n  a second line a traceback-like message would add")
 
     monkeypatch.setattr(measure, "cmd_compare", broken)
     argv = ["compare", str(tmp_path / "a.json"), str(tmp_path / "b.json")]

@@ -168,6 +168,12 @@ class RayProfileRun:
                     del busy[generator]
                     idle.append(actor)
                     continue
+                except ray.exceptions.RayTaskError as exc:   # the worker's own code raised: its error, in one line
+                    cause = getattr(exc, "cause", None)
+                    if isinstance(cause, AllocMoeError):
+                        raise AllocMoeError(str(cause)) from None
+                    what = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else _first_line(exc)
+                    raise RuntimeError(f"a Ray worker failed ({what})") from None
                 except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
                         ray.exceptions.ObjectLostError) as exc:
                     del busy[generator]
@@ -279,3 +285,8 @@ def ray_rows(spec, tokenizer, work, pairs: list, settings: RaySettings, workers:
     for row, _, _ in done:
         row["relative_change"] = relative_change(row["perplexity"], full)
     return full, full_tasks, done
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__

@@ -72,7 +72,8 @@ def main(argv: list[str] | None = None) -> None:
     except Exception as exc:       # a bug, or a case not checked yet: one line, the traceback on request
         if debug:
             raise
-        print(f"allocmoe: error: unexpected failure ({type(exc).__name__}: {exc}); rerun with --debug for the "
+        said = (str(exc).strip().splitlines() or [""])[0]       # one line, whatever the exception holds
+        print(f"allocmoe: error: unexpected failure ({type(exc).__name__}: {said}); rerun with --debug for the "
               "traceback and report it", file=sys.stderr)
         sys.exit(1)
     finally:
