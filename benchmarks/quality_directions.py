@@ -10,7 +10,8 @@ nothing in allocmoe changes. Every choice is made on calibration text; test text
                skipped, add gate weight x that expert's mean output (measured on calibration tokens
                routed to it at full K); one [T, E] x [E, H] product per layer
   refine       substitute, with the allocation moved one activation at a time between layers while
-               calibration perplexity improves (best move per round, at most --rounds rounds)
+               calibration perplexity improves (best move per round, at most --rounds rounds);
+               "refine alone" does the same search without the substitute
 
 Prints, per budget, test perplexity and the share of uniform top-k's increase that each keeps,
 (ppl - ppl_full) / (ppl_uniform - ppl_full), with the calibration figure beside it.
@@ -144,6 +145,9 @@ def main() -> None:
         for method, p in (("uniform", uniform), ("alloc-moe", plan)):
             for mode in ("none", "renorm", "substitute"):
                 record(f"{method} + {mode}", p, mode)
+        sub.mode = "none"
+        refined, evals = refine(plan, lambda p: ppl(p, calib), sub.k_orig, args.rounds)
+        record(f"alloc-moe + refine alone({evals})", refined, "none")
         sub.mode = "substitute"
         refined, evals = refine(plan, lambda p: ppl(p, calib), sub.k_orig, args.rounds)
         record(f"alloc-moe + refine({evals})", refined, "substitute")
