@@ -10,6 +10,7 @@ import lzma
 import os
 from pathlib import Path
 
+from .core.files import read_utf8
 from .errors import AllocMoeError
 
 BUILTIN_DATA = Path(__file__).resolve().parent / "builtin" / "data"
@@ -32,15 +33,8 @@ def read_text(source: str | os.PathLike | None, default_split: str) -> tuple[str
             raise AllocMoeError(f"built-in text {path} is missing; rebuild it with scripts/prepare_data.py")
         return lzma.open(path, "rt", encoding="utf-8").read(), f"builtin:{split}"
     path = Path(source)
-    if path.is_dir():
-        raise AllocMoeError(f"text file {path} is a folder; give a UTF-8 text file")
-    if not path.is_file():
-        raise AllocMoeError(f"text file not found: {path}; check the path (or give builtin:"
-                            f"{default_split} for the built-in {default_split} text)")
-    try:
-        text = path.read_text(encoding="utf-8")
-    except UnicodeDecodeError as exc:
-        raise AllocMoeError(f"text file {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+    text = read_utf8(path, "text file", f"check the path (or give builtin:{default_split} for the built-in "
+                                        f"{default_split} text)")
     if not text.strip():
         raise AllocMoeError(f"text file {path} is empty; give a file with text in it")
     return text, str(path)

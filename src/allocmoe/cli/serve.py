@@ -10,6 +10,7 @@ import socket
 import sys
 from pathlib import Path
 
+from ..core.files import read_utf8
 from ..errors import AllocMoeError
 
 BUILTIN_NAME = "allocmoe-builtin"
@@ -46,7 +47,7 @@ def cmd_generate(args) -> None:
 
     SamplingParams(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_p=args.top_p,
                    seed=args.seed, stop=tuple(args.stop))          # refuse bad numbers before loading
-    prompt = args.prompt if args.prompt is not None else _read_prompt(args.prompt_file)
+    prompt = args.prompt if args.prompt is not None else read_utf8(args.prompt_file, "prompt file")
     if not prompt:
         raise AllocMoeError("the prompt is empty; give some text with --prompt or --prompt-file")
     template = read_chat_template(args.chat_template) if args.chat_template else None
@@ -65,18 +66,6 @@ def cmd_generate(args) -> None:
     sys.stdout.write("\n")
     sys.stdout.flush()
     print(stream.summary.line(), file=sys.stderr)
-
-
-def _read_prompt(path: str) -> str:
-    file = Path(path)
-    if file.is_dir():
-        raise AllocMoeError(f"prompt file {file} is a folder; give a UTF-8 text file")
-    if not file.is_file():
-        raise AllocMoeError(f"prompt file not found: {file}; check the path")
-    try:
-        return file.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise AllocMoeError(f"prompt file {file} is not UTF-8 text; save it as UTF-8") from None
 
 
 def add_serve_parser(sub) -> None:

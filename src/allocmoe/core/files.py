@@ -64,13 +64,28 @@ def json_safe(obj: Any, at: str = "") -> tuple[Any, list[str]]:
     return obj, []
 
 
-def read_json(path: str | os.PathLike, what: str) -> Any:
-    """Read a JSON file, naming `what` it should be in any error."""
+def existing_file(path: str | os.PathLike, what: str, expected: str, missing_hint: str = "check the path") -> Path:
+    """`path` as a Path, refused in one line if it is a folder (`give <expected>`) or does not exist."""
     path = Path(path)
     if path.is_dir():
-        raise AllocMoeError(f"{what} file {path} is a folder; give the {what} JSON file")
+        raise AllocMoeError(f"{what} {path} is a folder; give {expected}")
     if not path.is_file():
-        raise AllocMoeError(f"{what} file not found: {path}; check the path")
+        raise AllocMoeError(f"{what} not found: {path}; {missing_hint}")
+    return path
+
+
+def read_utf8(path: str | os.PathLike, what: str, missing_hint: str = "check the path") -> str:
+    """The text of a UTF-8 file the user named (`what`: "prompt file", "text file", ...), or one clear line."""
+    path = existing_file(path, what, "a UTF-8 text file", missing_hint)
+    try:
+        return path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise AllocMoeError(f"{what} {path} is not UTF-8 text (byte {exc.start}); save it as UTF-8") from None
+
+
+def read_json(path: str | os.PathLike, what: str) -> Any:
+    """Read a JSON file, naming `what` it should be in any error."""
+    path = existing_file(path, f"{what} file", f"the {what} JSON file")
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:

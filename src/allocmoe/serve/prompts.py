@@ -2,21 +2,15 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
+from ..core.files import read_utf8
 from ..errors import AllocMoeError
 
 
 def read_chat_template(path) -> str:
     """A Jinja chat template file (data: rendered in transformers' sandbox, never run as Python)."""
-    path = Path(path)
-    if not path.is_file():
-        raise AllocMoeError(f"chat template file not found: {path}; check the path")
-    try:
-        return path.read_text(encoding="utf-8")
-    except UnicodeDecodeError:
-        raise AllocMoeError(f"chat template {path} is not UTF-8 text; save it as UTF-8") from None
+    return read_utf8(path, "chat template file")
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict[str, Any]], chat_template: str | None = None) -> list[int]:
