@@ -36,6 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import AllocMoeError
+from ..measure.evaluate.perplexity import perplexity_of, summed_nll
 from ..routing.apply import apply_plan, static_plan
 from .onload import EMBEDDING, HEAD, RESIDENT, OnloadedModel
 from .prefix import _Captured, _capture_before, _pass_through, start_position, started_at
@@ -296,18 +297,16 @@ class WalkRun:
             self.layers[last].forward = _pass_through
             try:
                 with started_at(self.model, last, [state]):
-                    logits = self.model(inputs_embeds=state).logits[:, :-1].float()        # [b, S-1, V]
+                    logits = self.model(inputs_embeds=state).logits                         # [b, S, V]
             finally:
                 if own is None:
                     del self.layers[last].forward
                 else:
                     self.layers[last].forward = own
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), batch[:, 1:].reshape(-1),
-                                                    reduction="sum")
-            total_nll += float(nll)
-            total_tokens += batch[:, 1:].numel()
-        mean = total_nll / total_tokens
-        return math.exp(mean) if mean < 709 else math.inf
+            nll, tokens = summed_nll(logits, batch)
+            total_nll += nll
+            total_tokens += tokens
+        return perplexity_of(total_nll / total_tokens)
 
     def release(self) -> None:
         self.onloaded.release()

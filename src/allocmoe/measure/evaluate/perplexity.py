@@ -121,16 +121,26 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
             scored = min(batch.size(0), rows - start)                            # the rest are the top-up
             start += batch.size(0)
             batch = batch.to(device)
-            logits = model(input_ids=batch).logits[:scored, :-1].float()         # [b, S-1, V]
-            target = batch[:scored, 1:]
-            nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1),
-                                                    reduction="sum")
-            total_nll += float(nll)
-            total_tokens += target.numel()
+            nll, tokens = summed_nll(model(input_ids=batch).logits[:scored], batch[:scored])
+            total_nll += nll
+            total_tokens += tokens
     finally:
         if handle is not None:
             handle.context.count_steps, handle.context.decode_steps = saved
     mean = total_nll / total_tokens
-    # a diverging model can average past exp's range (nll > 709): that perplexity is infinite, not an error
-    return PerplexityResult(perplexity=math.exp(mean) if mean < 709 else math.inf, nll=mean, tokens=total_tokens,
+    return PerplexityResult(perplexity=perplexity_of(mean), nll=mean, tokens=total_tokens,
                             windows=int(windows.size(0)), seq_len=int(windows.size(1)))
+
+
+def summed_nll(logits: torch.Tensor, batch: torch.Tensor) -> tuple[float, int]:
+    """(summed negative log-likelihood, tokens) of every token after each window's first.
+    logits [b, S, V] from a pass over batch [b, S]."""
+    logits = logits[:, :-1].float()                                             # [b, S-1, V]
+    target = batch[:, 1:]                                                       # [b, S-1]
+    nll = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.size(-1)), target.reshape(-1), reduction="sum")
+    return float(nll), target.numel()
+
+
+def perplexity_of(mean_nll: float) -> float:
+    """exp(mean NLL); a diverging model can average past exp's range (> 709): infinite, not an error."""
+    return math.exp(mean_nll) if mean_nll < 709 else math.inf
