@@ -168,14 +168,9 @@ class RayProfileRun:
                     del busy[generator]
                     idle.append(actor)
                     continue
-                except ray.exceptions.RayTaskError as exc:   # the worker's own code raised: its error, in one line
-                    cause = getattr(exc, "cause", None)
-                    if isinstance(cause, AllocMoeError):
-                        raise AllocMoeError(str(cause)) from None
-                    what = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else _first_line(exc)
-                    raise RuntimeError(f"a Ray worker failed ({what})") from None
-                except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError,
-                        ray.exceptions.ObjectLostError) as exc:
+                except ray.exceptions.RayTaskError as exc:
+                    raise _raised_in_worker(exc) from None
+                except _dead_worker_errors() as exc:
                     del busy[generator]
                     self.replacements += 1
                     if self.replacements > MAX_REPLACEMENTS * self.workers:
@@ -263,7 +258,9 @@ def ray_rows(spec, tokenizer, work, pairs: list, settings: RaySettings, workers:
             actor, item = busy.pop(ready[0])
             try:
                 results[item[0]] = ray.get(ready[0])
-            except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
+            except ray.exceptions.RayTaskError as exc:
+                raise _raised_in_worker(exc) from None
+            except _dead_worker_errors() as exc:
                 replaced += 1
                 if replaced > MAX_REPLACEMENTS * workers:
                     raise AllocMoeError(f"Ray workers keep dying ({replaced} replaced; last: "
@@ -285,6 +282,22 @@ def ray_rows(spec, tokenizer, work, pairs: list, settings: RaySettings, workers:
     for row, _, _ in done:
         row["relative_change"] = relative_change(row["perplexity"], full)
     return full, full_tasks, done
+
+
+def _dead_worker_errors() -> tuple[type[Exception], ...]:
+    """What ray.get raises when the worker itself went (killed, crashed, its result lost): rerun elsewhere."""
+    import ray
+
+    return (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError, ray.exceptions.ObjectLostError)
+
+
+def _raised_in_worker(exc) -> Exception:
+    """An error the worker's own code raised, as one line: its AllocMoeError as it was, else 'a Ray worker failed'."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, AllocMoeError):
+        return AllocMoeError(str(cause))
+    what = f"{type(cause).__name__}: {_first_line(cause)}" if cause is not None else _first_line(exc)
+    return RuntimeError(f"a Ray worker failed ({what})")
 
 
 def _first_line(exc: BaseException) -> str:
