@@ -219,14 +219,14 @@ def _sweep(tiny, out, budget):
 def _interrupt_the_second_plot(monkeypatch):
     from allocmoe.measure import report
 
-    save, calls = report._save_png, []
+    save, calls = report.save_png, []
 
     def interrupted(fig, path):
         calls.append(path)
         if len(calls) == 2:
             raise KeyboardInterrupt
         save(fig, path)
-    monkeypatch.setattr(report, "_save_png", interrupted)
+    monkeypatch.setattr(report, "save_png", interrupted)
     return calls
 
 

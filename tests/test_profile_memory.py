@@ -216,15 +216,15 @@ def test_a_pass_started_at_a_layer_goes_through_accelerates_device_hooks_and_lea
     forward that moves the input to the layer's device); the prefix cache hands such a layer through
     and puts the hook back. Here every device is the CPU, with the hooks forced."""
     accelerate = pytest.importorskip("accelerate")
-    from allocmoe.calibrate.prefix import _Captured, _capture_before, started_at
+    from allocmoe.calibrate.prefix import Captured, capture_before, started_at
 
     model = build_tiny("olmoe", vocab_size=len(tok), num_hidden_layers=4)
     ids = torch.randint(0, len(tok), (2, 16), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         full = model(input_ids=ids).logits
         held = []
-        with _capture_before(model, 2, held):
-            with pytest.raises(_Captured):
+        with capture_before(model, 2, held):
+            with pytest.raises(Captured):
                 model(input_ids=ids)
     device_map = {"model.embed_tokens": "cpu", **{f"model.layers.{i}": "cpu" for i in range(4)}, "model.norm": "cpu",
                   "model.rotary_emb": "cpu", "lm_head": "cpu"}

@@ -99,7 +99,7 @@ def naive_layer_passes(steps: list[Step], tokens: int, num_decoder_layers: int) 
 
 # -- starting a pass at a decoder layer --------------------------------------------------------
 
-class _Captured(Exception):
+class Captured(Exception):
     """Raised by the capture hook once it has the states it came for: the rest of the pass is not needed."""
 
 
@@ -119,7 +119,7 @@ def _hidden_argument(args: tuple, kwargs: dict, where: int) -> torch.Tensor:
     return hidden
 
 
-def _pass_through(*args, **kwargs):
+def pass_through(*args, **kwargs):
     return args[0] if args else kwargs["hidden_states"]
 
 
@@ -128,7 +128,7 @@ def started_at(model: nn.Module, start: int, states: list[torch.Tensor]) -> Iter
     """Passes made inside run from decoder layer `start`, the n-th pass fed `states[n]` [b, S, H];
     all of them must be used."""
     layers = decoder_layers(model)
-    if any(layer.__dict__.get("forward") is _pass_through for layer in layers[:start]):
+    if any(layer.__dict__.get("forward") is pass_through for layer in layers[:start]):
         raise PrefixCacheUnsupported("a pass is already started at a decoder layer of this model")
     # an instance forward already there (accelerate's device hook) is handed through too, and put back
     replaced = [layer.__dict__.get("forward") for layer in layers[:start]]
@@ -145,7 +145,7 @@ def started_at(model: nn.Module, start: int, states: list[torch.Tensor]) -> Iter
 
     hook = layers[start].register_forward_pre_hook(feed, with_kwargs=True)
     for layer in layers[:start]:
-        layer.forward = _pass_through
+        layer.forward = pass_through
     try:
         yield
         if fed != len(states):
@@ -160,11 +160,11 @@ def started_at(model: nn.Module, start: int, states: list[torch.Tensor]) -> Iter
 
 
 @contextmanager
-def _capture_before(model: nn.Module, stop: int, into: list[torch.Tensor]) -> Iterator[None]:
+def capture_before(model: nn.Module, stop: int, into: list[torch.Tensor]) -> Iterator[None]:
     """A pass made inside appends the states entering decoder layer `stop` to `into` and ends there."""
     def capture(module, args, kwargs):
         into.append(_hidden_argument(args, kwargs, stop).detach())
-        raise _Captured
+        raise Captured
 
     hook = decoder_layers(model)[stop].register_forward_pre_hook(capture, with_kwargs=True)
     try:
@@ -201,10 +201,10 @@ class PrefixStates:
                 captured: list[torch.Tensor] = []
                 start = started_at(self.model, self.held_at, self.states[index:index + 1]) if self.held_at \
                     else nullcontext()
-                with _capture_before(self.model, stop, captured), start:
+                with capture_before(self.model, stop, captured), start:
                     try:
                         self.model(input_ids=batch.to(device))
-                    except _Captured:
+                    except Captured:
                         pass
                 if len(captured) != 1:
                     raise PrefixCacheUnsupported(f"a pass never reached decoder layer {stop}")
@@ -228,10 +228,10 @@ class PrefixStates:
         try:
             with self._unmodified():
                 full = self.model(input_ids=window).logits.float()
-                with _capture_before(self.model, start, []):
+                with capture_before(self.model, start, []):
                     try:
                         self.model(input_ids=window.flip(-1))
-                    except _Captured:
+                    except Captured:
                         pass
                 with started_at(self.model, start, [self.states[0][:1]]):
                     cached = self.model(input_ids=window).logits.float()

@@ -115,7 +115,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     folder: a model that fits under the cap is loaded whole, a bigger one is read layer by layer
     (calibrate/walk.py), and a cap too small for that is refused before any weight is read."""
     config = checked_config(ProfileConfig, config)
-    spec = _model_folder(model, config)
+    spec = model_folder(model, config)
     if spec is not None:
         tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
         model = spec.skeleton()                      # the layout, no weights: loaded below once the work is known
@@ -177,7 +177,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     return profile
 
 
-def _model_folder(model, config: ProfileConfig):
+def model_folder(model, config: ProfileConfig):
     """The ModelSpec of a model given as a folder (path or ModelSpec); None for a loaded model."""
     from ..models import ModelSpec, inspect_model
 

@@ -39,7 +39,7 @@ from ..errors import AllocMoeError
 from ..measure.evaluate.perplexity import perplexity_of, summed_nll
 from ..routing.apply import apply_plan, static_plan
 from .onload import EMBEDDING, HEAD, RESIDENT, OnloadedModel
-from .prefix import _Captured, _capture_before, _pass_through, start_position, started_at
+from .prefix import Captured, capture_before, pass_through, start_position, started_at
 
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
@@ -255,10 +255,10 @@ class WalkRun:
     def _embed(self, batch: torch.Tensor) -> torch.Tensor:
         """The states entering decoder layer 0 for one batch of windows [b, S] -> [b, S, H]."""
         captured: list[torch.Tensor] = []
-        with _capture_before(self.model, 0, captured):
+        with capture_before(self.model, 0, captured):
             try:
                 self.model(input_ids=batch)
-            except _Captured:
+            except Captured:
                 pass
         return captured[0]
 
@@ -274,14 +274,14 @@ class WalkRun:
 
         def capture(module, args, kwargs, output):
             captured.append(output[0] if isinstance(output, tuple) else output)
-            raise _Captured
+            raise Captured
 
         hook = self.layers[j].register_forward_hook(capture, with_kwargs=True)
         try:
             with started_at(self.model, j, [state]):
                 try:
                     self.model(inputs_embeds=state)
-                except _Captured:
+                except Captured:
                     pass
         finally:
             hook.remove()
@@ -294,7 +294,7 @@ class WalkRun:
         total_nll, total_tokens = 0.0, 0
         for state, batch in zip(stream, self.batches):
             own = self.layers[last].__dict__.get("forward")       # an instance forward (a device hook) goes back after
-            self.layers[last].forward = _pass_through
+            self.layers[last].forward = pass_through
             try:
                 with started_at(self.model, last, [state]):
                     logits = self.model(inputs_embeds=state).logits                         # [b, S, V]

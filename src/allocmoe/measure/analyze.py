@@ -147,7 +147,7 @@ def write_analysis(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from .report import _save_png, written_together
+    from .report import save_png, written_together
 
     out = Path(out_dir)
     counts, entropy, loads = result.pop("_samples")
@@ -155,7 +155,7 @@ def write_analysis(result: dict[str, Any], out_dir: str | Path) -> list[Path]:
     try:
         with written_together(out) as folder:
             atomic_write_json(folder / "analysis.json", result)
-            _save_png(fig, folder / "analysis.png")
+            save_png(fig, folder / "analysis.png")
     finally:
         plt.close(fig)
     return [out / "analysis.json", out / "analysis.png"]

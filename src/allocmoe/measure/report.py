@@ -65,7 +65,7 @@ def markdown_table(results: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _save_png(fig, path: Path) -> None:
+def save_png(fig, path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110, bbox_inches="tight")
     atomic_write_bytes(path, buf.getvalue())
@@ -92,7 +92,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
     ax.set_ylabel("perplexity (lower is better)")
     ax.set_title("Quality vs measured activations")
     ax.legend(fontsize=8, ncol=2)
-    _save_png(fig, out_dir / "quality_vs_activations.png")
+    save_png(fig, out_dir / "quality_vs_activations.png")
     plt.close(fig)
 
     budgets = sorted({r["budget"] for r in rows})
@@ -109,7 +109,7 @@ def write_report(results: dict[str, Any], out_dir: Path) -> list[Path]:
         ax.set_xlabel("MoE layer (shallow -> deep)")
     axes[0][0].set_ylabel("K_l (activations per token)")
     axes[0][-1].legend(fontsize=7)
-    _save_png(fig, out_dir / "allocations.png")
+    save_png(fig, out_dir / "allocations.png")
     plt.close(fig)
     return [out_dir / n for n in ("results.md", "quality_vs_activations.png", "allocations.png")]
 

@@ -92,9 +92,9 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     spec, ray_started = None, False
     if config.ray is not None:
         from ..calibrate.distributed import RaySettings, connect
-        from ..calibrate.profile import _model_folder
+        from ..calibrate.profile import model_folder
 
-        spec = _model_folder(model, ProfileConfig(ray=config.ray))
+        spec = model_folder(model, ProfileConfig(ray=config.ray))
         tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
         model = spec.skeleton()
     fingerprint = model_fingerprint(model)
