@@ -101,3 +101,14 @@ def test_with_one_moe_layer_the_smallest_budget_is_one_activation_not_the_full_m
                     config={"seq_len": 64, "calib_max_tokens": 512, "progress": False})
     assert plan.provenance["target"]["budget_found"] == 1 and plan.budget == 1.0
     assert [policy.k for policy in plan.layers.values()] == [1]
+
+
+def test_a_bad_method_is_refused_before_any_calibration_pass(tiny, monkeypatch):
+    import allocmoe.calibrate.methods as methods
+
+    model, tok, text = tiny
+    monkeypatch.setattr(methods, "evaluate_perplexity", lambda *a, **k: pytest.fail("scored before refusing"))
+    with pytest.raises(AllocMoeError, match="unknown method 'magic'"):
+        allocate(method="magic", target_ppl="5%", model=model, tokenizer=tok, calib_text=text)
+    with pytest.raises(AllocMoeError, match="needs a sensitivity profile"):
+        allocate(method="alloc-moe", target_ppl="5%", model=model, tokenizer=tok, calib_text=text)

@@ -208,14 +208,14 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
     if (budget is None) == (target_ppl is None):
         said = "both a budget and a perplexity target were given" if budget is not None else "no budget was given"
         raise AllocMoeError(f"{said}; give a budget (e.g. 0.5) or target_ppl (e.g. '5%'), one of the two")
-    if target_ppl is not None:
-        return _allocate_for_target(target_ppl, method, profile, model, tokenizer, calib_text, config)
     if method not in METHODS:
         raise AllocMoeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in PROFILE_METHODS + ("auto",) and profile is None:
         raise AllocMoeError(f"method {method!r} needs a sensitivity profile: run `allocmoe profile` and pass --profile")
     if method in MODEL_METHODS and model is None:
         raise AllocMoeError(f"method {method!r} needs the model")
+    if target_ppl is not None:      # after the method's own checks: the search scores a calibration pass first
+        return _allocate_for_target(target_ppl, method, profile, model, tokenizer, calib_text, config)
     fingerprint = _fingerprint(profile, model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     if not isinstance(budget, Budget):
