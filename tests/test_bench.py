@@ -5,9 +5,11 @@ import json
 import pytest
 import torch
 
-from allocmoe import AllocMoeError, static_plan
+from allocmoe import AllocMoeError, distinct_plan, static_plan
+from allocmoe.routing.adapters import adapter_for_model
 from allocmoe.routing.apply import allocmoe_experts, apply_plan, routed_experts_off
-from allocmoe.measure.bench import BenchConfig, Generation, benchmark, share_of_ideal_gain
+from allocmoe.measure.bench import (BenchConfig, Generation, benchmark, distinct_plan_for, ideal_speedup,
+                                    parse_max_distinct, prompt_ids, share_of_ideal_gain)
 from allocmoe.cli import main
 from allocmoe.calibrate.methods import allocate
 from allocmoe.measure.synthetic import parameter_bytes, synthetic_config
@@ -27,17 +29,122 @@ def test_benchmark_json_has_every_field():
             stats = result["timings_seconds"][name][phase]
             assert 0 < stats["min"] <= stats["median"] <= stats["max"]
             assert len(stats["samples"]) == 2 and min(stats["samples"]) == stats["min"]   # the raw timings
-    for phase in ("prefill", "decode"):    # per round from the raw timings, by hand
-        t = {n: result["timings_seconds"][n][phase]["samples"] for n in ("full", "plan", "off")}
-        shares = [share_of_ideal_gain(f, p, o, result["budget_fraction"]) for f, p, o in zip(t["full"], t["plan"], t["off"])]
+    for phase, b in (("prefill", result["budget_fraction"]), ("decode", result["decode_fraction"])):
+        t = {n: result["timings_seconds"][n][phase]["samples"] for n in ("full", "plan", "off")}   # per round, by hand
+        shares = [share_of_ideal_gain(f, p, o, b) for f, p, o in zip(t["full"], t["plan"], t["off"])]
         shares = [x for x in shares if x is not None]
         assert result[f"{phase}_fraction_of_ideal_paired"] == (sum(shares) / 2 if len(shares) == 2 else
                                                                  (shares[0] if shares else None))
     assert {"device", "dtype", "threads", "torch", "transformers"} <= set(result["environment"])
-    assert result["experts_kernel"] == "allocmoe grouped_mm, for full and plan alike"   # tiny experts
+    assert result["experts_kernel"] == "allocmoe grouped_mm, for full and plans alike"   # tiny experts
     assert result["measured_activations_per_token"] == pytest.approx(4.0)   # 2 layers x 4 experts x 0.5
     distinct = result["distinct_experts_per_decode_step"]
     assert 1 <= distinct["plan"] <= distinct["full"] <= 8
+    assert result["decode_fraction"] == distinct["plan"] / distinct["full"]
+    assert set(result["configurations"]) == {"full", "plan", "off"}      # not a distinct plan: no uniform beside it
+    plan_row = result["configurations"]["plan"]
+    t = {n: result["timings_seconds"][n]["decode"]["median"] for n in ("full", "plan", "off")}
+    assert plan_row["decode_step_ms"] == pytest.approx(1000 * t["plan"])
+    assert plan_row["decode_tokens_per_second"] == pytest.approx(2 / t["plan"])     # batch 2: two tokens a step
+    assert plan_row["decode_ideal_speedup"] == pytest.approx(ideal_speedup(t["full"], t["off"], result["decode_fraction"]))
+    assert plan_row["decode_ideal_speedup"] == result["decode_ideal_speedup"]
+    assert all(result["configurations"][n]["counted_steps_match_timed"] for n in ("full", "plan"))
+
+
+def _counted_by_hand(model, ids, steps, context) -> dict[int, list[int]]:
+    """Per MoE layer, the distinct experts each decode step handed its experts module (prefill
+    excluded), read from the module's own inputs: no allocmoe counter involved."""
+    layers = adapter_for_model(model).moe_layers(model)
+    num_experts = adapter_for_model(model).num_experts()
+    seen: dict[int, list[int]] = {layer.index: [] for layer in layers}
+    hooks = [layer.experts.register_forward_hook(
+        lambda module, args, out, index=layer.index: seen[index].append(
+            len({e for e in args[1].reshape(-1).tolist() if e < num_experts}))) for layer in layers]
+    try:
+        with context():
+            gen = Generation(model, ids, steps)
+            gen.prefill()
+            for counts in seen.values():
+                counts.clear()
+            for _ in range(steps):
+                gen.step()
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return seen
+
+
+@torch.no_grad()
+def test_batched_decode_counts_distinct_experts_as_an_independent_count_does():
+    model = build_tiny("deepseek_v2")
+    config = BenchConfig(input_len=6, output_len=4, batch_size=3, repeats=1, warmup=0)
+    plan = distinct_plan(model, 3)
+    result = benchmark(model, plan, config, progress=False)
+    rows = result["configurations"]
+    assert list(rows) == ["full", "plan", "uniform", "off"]
+    ids = prompt_ids(model, config)
+    uniform_k = int(rows["uniform"]["label"].removeprefix("uniform top-"))
+    assert uniform_k == max(1, int(rows["plan"]["activations_per_token"] / 2 + 0.5))     # 2 MoE layers
+    contexts = {"full": lambda: torch.no_grad(),            # the unmodified model, its own experts
+                "plan": lambda: apply_plan(model, plan),
+                "uniform": lambda: apply_plan(model, static_plan(model, [uniform_k] * 2))}
+    for name, context in contexts.items():
+        by_hand = _counted_by_hand(model, ids, config.output_len, context)
+        row = rows[name]
+        assert all(len(counts) == config.output_len for counts in by_hand.values())
+        everything = [c for counts in by_hand.values() for c in counts]
+        assert row["distinct_experts_per_step"] == pytest.approx(sum(everything) / len(everything)), name
+        assert row["max_distinct_experts_per_step"] == max(everything), name
+        for index, counts in by_hand.items():
+            assert row["distinct_experts_per_layer"][str(index)]["mean"] == pytest.approx(sum(counts) / len(counts))
+        assert row["counted_steps_match_timed"], name
+    assert rows["plan"]["max_distinct_experts_per_step"] <= 3 < rows["full"]["max_distinct_experts_per_step"]
+    b = rows["plan"]["distinct_experts_per_step"] / rows["full"]["distinct_experts_per_step"]
+    t = {n: result["timings_seconds"][n]["decode"]["median"] for n in ("full", "plan", "off")}
+    assert rows["plan"]["decode_ideal_speedup"] == pytest.approx(ideal_speedup(t["full"], t["off"], b))
+    assert 0 <= rows["plan"]["top1_outside_chosen_rate"] <= 1
+
+
+@torch.no_grad()
+def test_distinct_plan_at_a_fraction_of_the_union_never_exceeds_its_m():
+    model = build_tiny("deepseek_v2")
+    config = BenchConfig(input_len=5, output_len=3, batch_size=4, repeats=1, warmup=0)
+    plan, union = distinct_plan_for(model, config, fraction=0.5)
+    by_hand = _counted_by_hand(model, prompt_ids(model, config, seed=1), config.output_len, torch.no_grad)
+    for index, counts in by_hand.items():     # the union: unmodified top-K, other prompts (seed 1)
+        assert union[index] == pytest.approx(sum(counts) / len(counts))
+        assert plan.layers[index].max_experts == max(1, int(0.5 * union[index] + 0.5))
+    for batch in (1, 4, 7):                   # any batch, prefill columns included: never above M
+        ids = prompt_ids(model, BenchConfig(input_len=5, batch_size=batch))
+        by_hand = _counted_by_hand(model, ids, 3, lambda: apply_plan(model, plan))
+        for index, counts in by_hand.items():
+            assert max(counts) <= plan.layers[index].max_experts
+    assert distinct_plan_for(model, config, count=5)[0].layers[1].max_experts == 5
+
+
+def test_distinct_budget_as_typed():
+    assert parse_max_distinct("0.5", 64) == (0.5, None)
+    assert parse_max_distinct("1/4", 64) == (0.25, None)
+    assert parse_max_distinct("50%", 64) == (0.5, None)
+    assert parse_max_distinct("1", 64) == (1.0, None)          # a number <= 1 is a fraction, as for budgets
+    assert parse_max_distinct("32", 64) == (None, 32)
+    for text, message in (("0", "must be positive"), ("abc", "is not a number"), ("65", "at most 64"),
+                          ("2.5", "neither a fraction"), ("150%", "fraction above 1"), ("inf", "is not a number"),
+                          ("nan", "is not a number"), ("-0.5", "must be positive")):
+        with pytest.raises(AllocMoeError, match=message):
+            parse_max_distinct(text, 64)
+
+
+def test_bench_cli_times_a_distinct_budget_beside_uniform(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "bench.json"
+    main(["bench", "--model", str(tiny_folder), "--max-distinct-experts", "2", "--batch-size", "3",
+          "--input-len", "8", "--output-len", "3", "--repeats", "1", "--warmup", "0", "--quiet", "--output", str(out)])
+    result = json.loads(out.read_text())
+    err = capsys.readouterr().err
+    assert list(result["configurations"]) == ["full", "plan", "uniform", "off"]
+    assert result["plan"]["max_distinct_experts"] == {"1": 2, "2": 2, "3": 2}
+    assert result["configurations"]["plan"]["max_distinct_experts_per_step"] <= 2
+    assert "| distinct (M 2) |" in err and "| uniform top-" in err and "decode tok/s" in err
 
 
 @torch.no_grad()

@@ -65,9 +65,15 @@ def add_parsers(sub) -> None:
     p.set_defaults(func=cmd_analyze)
 
     p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
-    add_model_flags(p, batch_size=1, batch_help="sequences decoded side by side")
-    p.add_argument("--plan", default=None, help="plan JSON to time")
+    add_model_flags(p, batch_size=1, batch_help="sequences decoded side by side (a decode step routes one "
+                    "token of each)")
+    p.add_argument("--plan", default=None, help="plan JSON to time (a distinct-expert plan is timed beside "
+                   "uniform top-k at the activations per token it spends)")
     p.add_argument("--budget", default=None, help="or make a plan: budget (fraction or count)")
+    p.add_argument("--max-distinct-experts", default=None, metavar="M",
+                   help="or make a distinct-expert plan: at most M distinct experts per layer and decode step, "
+                        "a fraction of the unrestricted union at --batch-size (0.5, 1/2, 50%%; measured on other "
+                        "random prompts) or a count (e.g. 32); timed beside uniform top-k")
     p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t, ascending, descending")
     p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T k_base (default 1)")
     p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
@@ -207,16 +213,20 @@ def cmd_bench(args) -> None:
     from ..calibrate.methods import METHODS, allocate
     from ..core.budget import Budget
     from ..core.plan import Plan
-    from ..measure.bench import BenchConfig, benchmark, check_memory, free_memory_bytes
+    from ..measure.bench import (BenchConfig, benchmark, check_memory, distinct_plan_for, format_table,
+                                 free_memory_bytes, is_distinct_plan, parse_max_distinct)
     from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
     from ..models import ModelSpec, check_device
 
     check_output_file(args.output)
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                          repeats=args.repeats, warmup=args.warmup)
-    if (args.plan is None) == (args.budget is None):
-        raise AllocMoeError(f"{'--plan and --budget were both given' if args.plan else 'nothing to time'}; give "
-                            "either --plan PLAN.json or --budget B (with --method)")
+    given = [flag for flag, value in (("--plan", args.plan), ("--budget", args.budget),
+                                      ("--max-distinct-experts", args.max_distinct_experts)) if value is not None]
+    if len(given) != 1:
+        were = f"{' and '.join(given)} were {'both' if len(given) == 2 else 'all'} given" if given else "nothing to time"
+        raise AllocMoeError(f"{were}; give "
+                            "one of --plan PLAN.json, --budget B (with --method) or --max-distinct-experts M")
     if args.seq_len is not None:
         raise AllocMoeError("--seq-len does not apply to bench; the prompt length is --input-len")
     synthetic = str(args.model or "").startswith(PREFIX)
@@ -239,16 +249,19 @@ def cmd_bench(args) -> None:
         spec = ModelSpec(path=args.model, config=cfg)
     else:
         spec = inspect(args)
-    check_memory(_Shape(spec.config, dtype, device), config)     # before building or loading anything
+    distinct = is_distinct_plan(plan) if plan is not None else args.max_distinct_experts is not None
+    check_memory(_Shape(spec.config, dtype, device), config, caches=4 if distinct else 3)   # before building or loading
     positions = args.input_len + args.output_len
     if spec.context is not None and positions > spec.context:
         raise AllocMoeError(f"--input-len {args.input_len} + --output-len {args.output_len} = {positions} positions, "
                             f"past this model's context of {spec.context}; lower --input-len or --output-len")
+    fingerprint = spec.fingerprint()
     if plan is not None:
         plan.check_model(spec.skeleton())
-    else:
-        fingerprint = spec.fingerprint()
+    elif args.budget is not None:
         Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+    else:
+        max_distinct = parse_max_distinct(args.max_distinct_experts, fingerprint["num_experts"])
     torch.set_grad_enabled(False)
     if synthetic:
         need = parameter_bytes(cfg, dtype)
@@ -260,10 +273,17 @@ def cmd_bench(args) -> None:
         model = build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
     else:
         model, _ = spec.load(dtype=dtype, device=device)
-    if plan is None:
+    union = None
+    if plan is None and args.budget is not None:
         plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
+    elif plan is None:
+        plan, union = distinct_plan_for(model, config, *max_distinct)
     result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
+    if union is not None:
+        result["unrestricted_union"] = {"fraction": max_distinct[0], "per_layer": {str(i): u for i, u in union.items()},
+                                        "measured_on": "other random prompts (seed 1), same batch and decode steps"}
     emit(result, args.output)
+    print(format_table(result), file=sys.stderr)
     print(f"prefill {result['prefill_speedup']:.3f}x (ideal {result['prefill_ideal_speedup']:.3f}x), "
           f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "
           f"at {result['measured_activations_per_token']:.2f} of "

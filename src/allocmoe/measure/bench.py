@@ -1,38 +1,57 @@
 """Prefill and decode latency of the unmodified model, a plan, and the model with routed experts
-off, measured side by side in one run: after warm-up, the three take turns call by call (each
-prefill, then each decode step), so a slow spell on a shared host slows all three alike.
+off, measured side by side in one run: after warm-up, the configurations take turns call by call
+(each prefill, then each decode step), so a slow spell on a shared host slows them all alike.
+A distinct-expert plan (at most M_l distinct experts per decode step in layer l) is timed beside
+uniform top-k at the activations per token it spends, rounded to a whole k.
 
-The full model keeps its own routing but runs its experts through allocmoe's kernel, as the plan
-does, so the speedup is the budget's alone (cpu_speed.py reports the kernel's gain separately).
-The experts-off time is what no budget can remove (attention, routers, shared experts, head);
-from it the ideal speedup at the plan's measured budget fraction b is
-    t_full / (t_off + b * (t_full - t_off)).
+The full model keeps its own routing but runs its experts through allocmoe's kernel, as the plans
+do, so the speedup is the budget's alone (cpu_speed.py reports the kernel's gain separately).
+The experts-off time is what no budget can remove (attention, routers, shared experts, dense
+layers, head). The rest, t_full - t_off, is the routed experts' time, and the ideal speedup
+supposes that part scales with the plan's share b of the full model's expert work:
+    ideal = t_full / (t_off + b * (t_full - t_off)).
+Prefill: b = measured activations per token / (L * K). Decode: b = distinct experts per step of
+the plan / those of the full model (means over MoE layers and decode steps): what a memory-bound
+step reads is each distinct expert's weights once, however many of the batch's tokens use it. At
+batch 1 the two coincide (a token's experts are distinct).
+
+Distinct experts and activations per token are counted in an untimed generation per
+configuration with the plan handle's step counters (`count_steps`; the full model as static
+top-K), over the same prompts and the same number of decode steps as the timed ones. Greedy
+decoding repeats itself, so those are the timed steps; `counted_steps_match_timed` records
+whether each counting run chose the same tokens as the timed one.
+
 Prefill = one forward over the whole prompt (logits of the last position only); decode = per
-generated token with the KV cache, greedy. CPU timings use perf_counter; CUDA synchronises.
+generated token with the KV cache, greedy; a decode step advances every sequence of the batch by
+one token. CPU timings use perf_counter; CUDA synchronises.
 """
 
 from __future__ import annotations
 
 import contextlib
+import math
 import platform
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from fractions import Fraction
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
-from ..routing.apply import allocmoe_experts, apply_plan, routed_experts_off
+from ..core.plan import Plan
+from ..core.policies import DistinctExperts
 from ..errors import AllocMoeError
+from ..routing.apply import allocmoe_experts, apply_plan, distinct_plan, routed_experts_off, static_plan
 
 
 @dataclass
 class BenchConfig:
     input_len: int = 256            # prompt tokens per sequence
     output_len: int = 32            # decode steps timed per repeat
-    batch_size: int = 1             # sequences per batch
+    batch_size: int = 1             # sequences decoded side by side (a decode step routes one token of each)
     repeats: int = 5                # timed rounds (in each, the configs take turns call by call)
     warmup: int = 1                 # untimed rounds first
 
@@ -128,15 +147,16 @@ def _kernel_of(model, device: torch.device) -> str:
     return experts_kernel_name(experts, probe)
 
 
-def check_memory(model, config: BenchConfig) -> None:
-    """Refuse, before allocating, a batch whose KV cache and activations will not fit."""
+def check_memory(model, config: BenchConfig, caches: int = 3) -> None:
+    """Refuse, before allocating, a batch whose KV caches (one per timed configuration) and
+    activations will not fit."""
     c = model.config
     param = next(model.parameters())
     elem = param.element_size()
     tokens = config.batch_size * (config.input_len + config.output_len)
     per_token_kv = 2 * c.num_hidden_layers * c.hidden_size * elem * 2       # generous: K and V, MLA expanded
     peak_acts = config.batch_size * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
-    need = 3 * tokens * per_token_kv + peak_acts                            # full, plan and off: a cache each
+    need = caches * tokens * per_token_kv + peak_acts
     free = free_memory_bytes(param.device)
     if need > free * 0.9:
         raise AllocMoeError(f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens needs about "
@@ -144,39 +164,126 @@ def check_memory(model, config: BenchConfig) -> None:
                             "lower --batch-size or --input-len")
 
 
-def _distinct_experts(model, plan, ids, steps: int) -> float:
-    """Mean over decode steps and MoE layers of distinct routed experts used by the batch."""
-    seen: list[int] = []
+# -- distinct experts per decode step -----------------------------------------------------------------
+def is_distinct_plan(plan: Plan) -> bool:
+    """Does any layer of the plan bound the distinct experts per step?"""
+    return any(isinstance(policy, DistinctExperts) for policy in plan.layers.values())
 
-    def record(layer, cand_idx, cand_probs, counts, valid):
-        keep = torch.arange(cand_idx.size(1), device=cand_idx.device)[None, :] < counts[:, None]
-        seen.append(int(cand_idx[keep & valid[:, None]].unique().numel()))
 
+def prompt_ids(model, config: BenchConfig, seed: int = 0) -> torch.Tensor:
+    """The benchmark's prompts: random token ids [B, input_len] (seed 0 is timed)."""
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, model.config.vocab_size, (config.batch_size, config.input_len), generator=gen).to(device)
+
+
+@torch.no_grad()
+def count_decode(model, plan: Plan, ids: torch.Tensor, steps: int) -> dict[str, Any]:
+    """Generate `steps` tokens after the prompts under `plan`, untimed, counting over the decode
+    steps only (not the prefill): distinct experts per step (mean over layers and steps, the max
+    any layer loaded in any step, per layer), activations per token, the tokens chosen [B, steps + 1],
+    and for a distinct plan how often a token's own top-1 fell outside its step's chosen set."""
     with apply_plan(model, plan) as handle:
-        handle.context.recorders.append(record)
+        handle.context.count_steps = True
         gen = Generation(model, ids, steps)
         gen.prefill()
-        seen.clear()                                  # decode steps only
+        handle.reset_counters()
         for _ in range(steps):
             gen.step()
-    return sum(seen) / max(len(seen), 1)
+        outside = handle.top1_outside_rate()
+        return {"distinct_experts_per_step": handle.distinct_experts_per_step(),
+                "max_distinct_experts_per_step": handle.max_distinct_experts_per_step(),
+                "distinct_experts_per_layer": {str(index): v for index, v in handle.layer_distinct_experts().items()},
+                "activations_per_token": handle.activations_per_token(),
+                "top1_outside_chosen_rate": sum(outside.values()) / len(outside) if outside else None,
+                "tokens": torch.cat(gen.tokens, dim=1)}
 
 
+def unrestricted_union(model, config: BenchConfig, seed: int = 1) -> dict[int, float]:
+    """Per MoE layer, the mean distinct experts per decode step of unmodified top-K routing at
+    config.batch_size, over config.output_len decode steps after other random prompts than the
+    timed ones (seed 1): the union a distinct-expert fraction is taken of."""
+    from ..core.plan import model_fingerprint
+
+    fingerprint = model_fingerprint(model)
+    full = static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])
+    counted = count_decode(model, full, prompt_ids(model, config, seed), config.output_len)
+    return {int(index): v["mean"] for index, v in counted["distinct_experts_per_layer"].items()}
+
+
+def parse_max_distinct(text: str, num_experts: int) -> tuple[float | None, int | None]:
+    """A distinct-expert budget as typed: "0.5", "1/2", "50%" (a fraction of the unrestricted
+    union per layer) -> (fraction, None); a whole number > 1 (experts per layer and step) ->
+    (None, count). Same rule as activation budgets: "/", "%" or a number <= 1 is a fraction."""
+    raw = str(text).strip()
+    try:
+        value = float(Fraction(raw[:-1])) / 100 if raw.endswith("%") else float(Fraction(raw))
+    except (ValueError, ZeroDivisionError, OverflowError):
+        raise AllocMoeError(f"--max-distinct-experts {raw!r} is not a number; give a fraction of the unrestricted "
+                            f"union (0.5, 1/2, 50%) or a count of experts per layer and step (e.g. "
+                            f"{num_experts // 2} of {num_experts})") from None
+    if not value > 0:
+        raise AllocMoeError(f"--max-distinct-experts {raw!r} must be positive; give a fraction in (0, 1] or a "
+                            f"count between 2 and {num_experts}")
+    if raw.endswith("%") or "/" in raw or value <= 1:
+        if value > 1:
+            raise AllocMoeError(f"--max-distinct-experts {raw!r} is a fraction above 1; give at most 1 (100%)")
+        return value, None
+    if value != int(value):
+        raise AllocMoeError(f"--max-distinct-experts {raw!r} is neither a fraction <= 1 nor a whole count; give "
+                            f"e.g. 0.5 or {num_experts // 2}")
+    if value > num_experts:
+        raise AllocMoeError(f"--max-distinct-experts {raw!r} is more than this model's {num_experts} experts per "
+                            f"layer; give at most {num_experts}")
+    return None, int(value)
+
+
+def round_half_up(x: float) -> int:
+    return math.floor(x + 0.5)
+
+
+def distinct_plan_for(model, config: BenchConfig, fraction: float | None = None,
+                      count: int | None = None) -> tuple[Plan, dict[int, float] | None]:
+    """A distinct-expert plan at `count` experts per layer and step, or at `fraction` of each
+    layer's unrestricted union at config.batch_size (unrestricted_union): M_l = max(1,
+    round_half_up(fraction * union_l)). Returns the plan and the union (None for a count)."""
+    if (fraction is None) == (count is None):
+        raise AllocMoeError("give the distinct-expert budget as a fraction or as a count, not both or neither")
+    if count is not None:
+        return distinct_plan(model, count), None
+    union = unrestricted_union(model, config)
+    return distinct_plan(model, {index: max(1, round_half_up(fraction * u)) for index, u in union.items()}), union
+
+
+# -- the benchmark ------------------------------------------------------------------------------------
 def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = False,
-              progress: bool = True) -> dict[str, Any]:
-    """Time full / plan / experts-off side by side; returns the JSON-ready result."""
+              progress: bool = True, uniform_beside: bool | None = None) -> dict[str, Any]:
+    """Time full / plan / experts off side by side (and, beside a distinct-expert plan or with
+    `uniform_beside`, uniform top-k at the activations per decoded token the plan spends, rounded
+    to a whole k); returns the JSON-ready result."""
     from .. import __version__
-    from ..routing.apply import static_plan
     from ..core.plan import model_fingerprint
 
     config = config or BenchConfig()
-    check_memory(model, config)
+    fingerprint = model_fingerprint(model)
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+    if uniform_beside is None:
+        uniform_beside = is_distinct_plan(plan)
+    check_memory(model, config, caches=4 if uniform_beside else 3)
     device = next(model.parameters()).device
-    vocab = model.config.vocab_size
-    gen = torch.Generator().manual_seed(0)
-    ids = torch.randint(0, vocab, (config.batch_size, config.input_len), generator=gen).to(device)
+    ids = prompt_ids(model, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+
+    # untimed: what each configuration loads and spends per decode step (these steps are the timed ones)
+    plans = {"full": static_plan(model, [k_orig] * num_layers, method="full"), "plan": plan}
+    counted = {"plan": count_decode(model, plan, ids, config.output_len)}
+    if uniform_beside:
+        uniform_k = min(k_orig, max(1, round_half_up(counted["plan"]["activations_per_token"] / num_layers)))
+        plans["uniform"] = static_plan(model, [uniform_k] * num_layers, method="uniform")
+        counted["uniform"] = count_decode(model, plans["uniform"], ids, config.output_len)
+    counted["full"] = count_decode(model, plans["full"], ids, config.output_len)
+    names = ["full", "plan", *(["uniform"] if uniform_beside else []), "off"]
 
     spent = {"activations": 0.0, "tokens": 0}     # the plan's, over every call it ran
 
@@ -189,11 +296,12 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
             with routed_experts_off(model):
                 yield
         else:
-            with apply_plan(model, plan) as handle:
+            with apply_plan(model, plans[name]) as handle:
                 yield
-                tokens = handle.tokens_seen()
-                spent["activations"] += handle.activations_per_token() * tokens
-                spent["tokens"] += tokens
+                if name == "plan":
+                    tokens = handle.tokens_seen()
+                    spent["activations"] += handle.activations_per_token() * tokens
+                    spent["tokens"] += tokens
 
     def take_turns(order, call) -> dict[str, float]:
         seconds = {}
@@ -202,15 +310,15 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                 seconds[name] = call(name)
         return seconds
 
-    samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in ("full", "plan", "off")}
+    samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in names}
     rounds = config.warmup + config.repeats
-    # one tick per call of all three (a prefill or a decode step): time left is right within a round too
+    # one tick per call of all configurations (a prefill or a decode step): time left is right within a round too
     with tqdm(total=rounds * (1 + config.output_len), desc="bench", unit="step", disable=not progress) as bar:
         for r in range(rounds):
             bar.set_postfix_str(f"round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}")
-            # The three configurations take turns call by call (prefill, then each decode step), in an
-            # order that alternates between rounds, so drift on a shared host falls on all three alike.
-            order = ("full", "plan", "off") if r % 2 == 0 else ("off", "plan", "full")
+            # The configurations take turns call by call (prefill, then each decode step), in an
+            # order that reverses between rounds, so drift on a shared host falls on all alike.
+            order = names if r % 2 == 0 else names[::-1]
             gens = {name: Generation(model, ids, config.output_len) for name in order}
             prefill = take_turns(order, lambda name: gens[name].prefill())
             bar.update(1)
@@ -223,38 +331,61 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                 for name in order:
                     samples[name]["prefill"].append(prefill[name])
                     samples[name]["decode"].append(decode[name])
+    timed_tokens = {name: torch.cat(gens[name].tokens, dim=1) for name in names}
 
-    fingerprint = model_fingerprint(model)
-    full_budget = fingerprint["num_moe_layers"] * fingerprint["k_orig"]
     measured = spent["activations"] / max(spent["tokens"], 1)
-    fraction = measured / full_budget
+    fraction = measured / (num_layers * k_orig)
+    d_full = counted["full"]["distinct_experts_per_step"]
+    decode_fraction = {name: counted[name]["distinct_experts_per_step"] / d_full for name in counted}
     timings = {n: {phase: _summary(v) for phase, v in phases.items()} for n, phases in samples.items()}
     result: dict[str, Any] = {"model": fingerprint, "synthetic": synthetic,
-                              "plan": {"method": plan.method, "budget": plan.budget},
+                              "plan": {"method": plan.method, "budget": plan.budget,
+                                       "max_distinct_experts": {str(i): p.max_experts for i, p in plan.layers.items()
+                                                                if isinstance(p, DistinctExperts)} or None},
                               "measured_activations_per_token": measured, "budget_fraction": fraction,
+                              "decode_fraction": decode_fraction["plan"],
                               "settings": asdict(config),
-                              "experts_kernel": f"allocmoe {_kernel_of(model, device)}, for full and plan alike"}
+                              "experts_kernel": f"allocmoe {_kernel_of(model, device)}, for full and plans alike",
+                              "ideal": {"formula": "t_full / (t_off + b * (t_full - t_off))",
+                                        "prefill_b": "measured activations per token / (L * K)",
+                                        "decode_b": "distinct experts per decode step, plan / full (means over "
+                                                    "MoE layers and steps)"}}
+    fractions = {"prefill": {"plan": fraction}, "decode": decode_fraction}
     for phase in ("prefill", "decode"):
         t_full, t_plan, t_off = (timings[n][phase]["median"] for n in ("full", "plan", "off"))
-        ideal = ideal_speedup(t_full, t_off, fraction)
+        b = fractions[phase]["plan"]
         result[f"{phase}_speedup"] = t_full / t_plan
-        result[f"{phase}_ideal_speedup"] = ideal
-        result[f"{phase}_fraction_of_ideal"] = share_of_ideal_gain(t_full, t_plan, t_off, fraction)
-        # the same, from each round's own three timings (drift between rounds cancels), median over rounds
-        per_round = [share_of_ideal_gain(f, p, o, fraction) for f, p, o in
-                     zip(*(samples[n][phase] for n in ("full", "plan", "off")))]
-        per_round = [x for x in per_round if x is not None]
-        result[f"{phase}_fraction_of_ideal_paired"] = statistics.median(per_round) if per_round else None
+        result[f"{phase}_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
+        result[f"{phase}_fraction_of_ideal"] = share_of_ideal_gain(t_full, t_plan, t_off, b)
+        result[f"{phase}_fraction_of_ideal_paired"] = _paired_share(samples, phase, "plan", b)
+
+    configurations: dict[str, dict[str, Any]] = {}
+    t_full, t_off = timings["full"]["decode"]["median"], timings["off"]["decode"]["median"]
+    for name in names:
+        t = timings[name]["decode"]["median"]
+        row: dict[str, Any] = {"label": _label(name, plans.get(name), k_orig),
+                               "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.batch_size / t,
+                               "prefill_seconds": timings[name]["prefill"]["median"], "decode_speedup": t_full / t}
+        if name in counted:
+            c = counted[name]
+            row.update({key: c[key] for key in ("activations_per_token", "distinct_experts_per_step",
+                                                 "max_distinct_experts_per_step", "distinct_experts_per_layer")})
+            if c["top1_outside_chosen_rate"] is not None:
+                row["top1_outside_chosen_rate"] = c["top1_outside_chosen_rate"]
+            row["counted_steps_match_timed"] = bool(torch.equal(c["tokens"], timed_tokens[name]))
+            if name != "full":
+                b = decode_fraction[name]
+                row["decode_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
+                row["decode_share_of_ideal_gain"] = share_of_ideal_gain(t_full, t, t_off, b)
+                row["decode_share_of_ideal_gain_paired"] = _paired_share(samples, "decode", name, b)
+        configurations[name] = row
+    result["configurations"] = configurations
     for name, phases in timings.items():
         for phase, summary in phases.items():
             summary["samples"] = samples[name][phase]
     result["timings_seconds"] = timings
-    if config.batch_size > 1:
-        full_plan = static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])
-        steps = min(config.output_len, 8)
-        result["distinct_experts_per_decode_step"] = {"full": _distinct_experts(model, full_plan, ids, steps),
-                                                      "plan": _distinct_experts(model, plan, ids, steps),
-                                                      "num_experts": fingerprint["num_experts"]}
+    result["distinct_experts_per_decode_step"] = {"full": d_full, "plan": counted["plan"]["distinct_experts_per_step"],
+                                                  "num_experts": fingerprint["num_experts"]}
     result["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
                                    else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
     result["environment"] = {
@@ -265,3 +396,49 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     if synthetic:
         result["note"] = "synthetic model with random weights: timings are real, quality numbers are meaningless"
     return result
+
+
+def _paired_share(samples, phase: str, name: str, fraction: float) -> float | None:
+    """Each round's share of the ideal gain from its own timings (drift between rounds cancels),
+    median over rounds; None when no round had a gain to share."""
+    shares = [share_of_ideal_gain(f, p, o, fraction) for f, p, o in
+              zip(samples["full"][phase], samples[name][phase], samples["off"][phase])]
+    shares = [x for x in shares if x is not None]
+    return statistics.median(shares) if shares else None
+
+
+def _label(name: str, plan: Plan | None, k_orig: int) -> str:
+    if name == "full":
+        return f"unmodified (top-{k_orig})"
+    if name == "off":
+        return "routed experts off"
+    if name == "uniform":
+        return f"uniform top-{next(iter(plan.layers.values())).k}"
+    if is_distinct_plan(plan):
+        ms = sorted({p.max_experts for p in plan.layers.values() if isinstance(p, DistinctExperts)})
+        return f"{plan.method} (M {ms[0]}" + (f"-{ms[-1]})" if len(ms) > 1 else ")")
+    return f"{plan.method} (budget {plan.budget:g})"
+
+
+def format_table(result: dict[str, Any]) -> str:
+    """The side-by-side decode table of a result, as Markdown."""
+    s = result["settings"]
+    num_experts = result["model"]["num_experts"]
+    lines = [f"batch {s['batch_size']}, prompt {s['input_len']}, {s['output_len']} decode steps, "
+             f"{s['repeats']} timed rounds (medians); distinct experts of {num_experts} per layer",
+             "",
+             "| configuration | activations/token | distinct experts/step (max) | step ms | decode tok/s | speedup "
+             "| ideal | share of ideal gain (paired) |",
+             "|---|---|---|---|---|---|---|---|"]
+    for row in result["configurations"].values():
+        distinct = (f"{row['distinct_experts_per_step']:.1f} ({row['max_distinct_experts_per_step']})"
+                    if "distinct_experts_per_step" in row else "")
+        acts = f"{row['activations_per_token']:.2f}" if "activations_per_token" in row else ""
+        ideal = f"{row['decode_ideal_speedup']:.3f}x" if "decode_ideal_speedup" in row else ""
+        share = ""
+        if row.get("decode_share_of_ideal_gain") is not None:
+            paired = row["decode_share_of_ideal_gain_paired"]
+            share = f"{row['decode_share_of_ideal_gain']:.0%}" + (f" ({paired:.0%})" if paired is not None else "")
+        lines.append(f"| {row['label']} | {acts} | {distinct} | {row['decode_step_ms']:.1f} | "
+                     f"{row['decode_tokens_per_second']:.2f} | {row['decode_speedup']:.3f}x | {ideal} | {share} |")
+    return "\n".join(lines)
