@@ -130,6 +130,13 @@ class PlanBudget(Document):
     fraction: number(gt=0)                          # B / full, for the reader's convenience
 
 
+class SubstituteRef(Document):
+    """The plan's means file (core/means.py): each expert's calibrated mean output, added for skipped experts."""
+    means_file: str = Field(pattern=r"^[^/\\.][^/\\]*\.means\.safetensors$")   # beside the plan, no folder
+    sha256: str = Field(pattern=r"^[0-9a-f]{64}$")                    # of the file's bytes, checked on loading
+    tokens: Count                                                     # calibration tokens the means came from
+
+
 class PlanDocument(Document):
     """A plan file: which policy, and which k, each MoE layer of one model gets under a budget."""
     format_version: Literal[1]
@@ -138,6 +145,7 @@ class PlanDocument(Document):
     method: str = Field(min_length=1)                                 # the allocation method that made it
     layers: dict[str, LayerEntry]                                     # decoder-layer index (as text) -> policy
     provenance: dict[str, Any] = {}                                   # version, time, method details
+    substitute: SubstituteRef | None = None                           # skipped experts' means, added back
 
     @model_validator(mode="after")
     def _fits_model(self):

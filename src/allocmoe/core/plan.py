@@ -7,23 +7,29 @@ Schema in docs/schemas/plan.schema.json):
      "budget": {"activations_per_token": B, "full": L*K_orig, "fraction": B/full},
      "method": "alloc-moe",
      "layers": {"1": {"k": 3, "policy": "alloc-t", "k_base": 1, "pool": "batch"}, ...},
-     "provenance": {"allocmoe_version", "created", ...}}
+     "provenance": {"allocmoe_version", "created", ...},
+     "substitute": {"means_file": "plan.means.safetensors", "sha256": ..., "tokens": N}}   (optional)
 Layers are keyed by the decoder layer's index in the model. `k` is the layer's average activations
 per token; fractional only for alloc-t, and a measured expectation for threshold policies.
 
-A plan is data only: loading never executes anything from the file.
+`substitute` is present when the plan adds back what it skips (core/means.py): the means file sits
+beside the plan, named without a folder, and its hash is checked on loading.
+
+A plan is data only: loading never executes anything from the file (or from its means file).
 """
 
 from __future__ import annotations
 
 import datetime as _dt
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from ..errors import AllocMoeError
 from .files import atomic_write_json, read_json
 from .formats import PLAN_FORMAT_VERSION as FORMAT_VERSION
 from .formats import PlanDocument, validated
+from .means import ExpertMeans, read_means, sidecar_name, write_means
 from .policies import Policy, policy_from_entry, policy_to_dict
 
 FINGERPRINT_KEYS = ("model_type", "num_moe_layers", "num_experts", "k_orig", "moe_layers")
@@ -55,6 +61,10 @@ class Plan:
     method: str                                # the allocation method that made it
     budget: float                              # B, activations per token over all MoE layers
     provenance: dict[str, Any] = field(default_factory=dict)   # version, time, and method details
+    # each skipped candidate expert's calibrated mean output, added back at inference (None: add nothing)
+    means: ExpertMeans | None = None
+    # the means file's entry in the plan file, {"means_file", "sha256", "tokens"}; set by save and load
+    substitute: dict[str, Any] | None = None
 
     @property
     def k_orig(self) -> int:
@@ -85,6 +95,7 @@ class Plan:
             "method": self.method,
             "layers": {str(index): policy_to_dict(policy) for index, policy in sorted(self.layers.items())},
             "provenance": provenance,
+            **({"substitute": dict(self.substitute)} if self.substitute else {}),
         }
 
     def to_document(self) -> dict[str, Any]:
@@ -101,15 +112,32 @@ class Plan:
         layers = {int(key): policy_from_entry(entry, k_orig, where=f"{source}, layer {key}")
                   for key, entry in doc.layers.items()}
         return cls(model=doc.model.model_dump(), layers=layers, method=doc.method,
-                   budget=float(doc.budget.activations_per_token), provenance=dict(doc.provenance))
+                   budget=float(doc.budget.activations_per_token), provenance=dict(doc.provenance),
+                   substitute=doc.substitute.model_dump() if doc.substitute else None)
 
     def save(self, path) -> None:
-        atomic_write_json(path, self.to_document())
+        """Write the plan (and, with means, its means file beside it: `<name>.means.safetensors`)."""
+        path = Path(path)
+        sidecar = None
+        if self.means is not None:
+            sidecar = path.parent / sidecar_name(path)
+            self.substitute = {"means_file": sidecar.name, "sha256": write_means(self.means, sidecar),
+                               "tokens": self.means.tokens}
+        try:
+            atomic_write_json(path, self.to_document())
+        except BaseException:           # never leave a means file without its plan
+            if sidecar is not None:
+                sidecar.unlink(missing_ok=True)
+            raise
 
     @classmethod
     def load(cls, path, model=None) -> "Plan":
         """Load a plan; with `model`, also check it was made for that model."""
         plan = cls.from_dict(read_json(path, "plan"), source=f"plan {path}")
+        if plan.substitute:
+            plan.means = read_means(Path(path).parent / plan.substitute["means_file"], plan.substitute["sha256"],
+                                    f"plan {path}")
+            plan.means.check_shape(plan.model["moe_layers"], plan.model["num_experts"], None, f"plan {path}")
         if model is not None:
             plan.check_model(model)
         return plan
@@ -120,3 +148,6 @@ class Plan:
         missing = set(expected["moe_layers"]) - set(self.layers)
         if missing:
             raise AllocMoeError(f"the plan has no entry for MoE layer(s) {sorted(missing)}; recreate it")
+        if self.means is not None:
+            self.means.check_shape(expected["moe_layers"], expected["num_experts"],
+                                   getattr(model.config, "hidden_size", None), "the plan")

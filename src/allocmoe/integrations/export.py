@@ -65,6 +65,10 @@ def _refuse_distinct(plan: Plan, path) -> None:
                             f"{','.join(layers)}), which no exported engine setting can run (it needs a step-wide "
                             "expert selection inside the engine's fused MoE router, e.g. vLLM's FusedMoE "
                             "select_experts); serve it with `allocmoe serve`")
+    if plan.substitute:
+        raise AllocMoeError(f"plan {path} adds back skipped experts' calibrated means (made with --substitute), "
+                            "which no exported engine setting can run (the engine's MoE kernel would have to add "
+                            "them); serve it with `allocmoe serve`, or export a plan made without --substitute")
 
 
 def _is_static(plan: Plan) -> bool:

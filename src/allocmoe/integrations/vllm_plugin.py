@@ -239,6 +239,11 @@ def _check_plan(plan, hf_config, layer_ids: list[int] | None) -> None:
                             f"layers {','.join(distinct)}), which the plugin cannot run: it needs a step-wide expert "
                             "selection over all of a step's tokens inside vLLM's FusedMoE router (not implemented); "
                             "serve it with `allocmoe serve`")
+    if getattr(plan, "substitute", None):
+        raise AllocMoeError("allocmoe vLLM plugin: the plan adds back skipped experts' calibrated means (made with "
+                            "--substitute), which the plugin cannot run (vLLM's fused MoE kernel would have to add "
+                            "them; not implemented); serve it with `allocmoe serve`, or use a plan made without "
+                            "--substitute")
     experts = next((getattr(hf_config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(hf_config, n, None)), None)
     found = {"model_type": getattr(hf_config, "model_type", None), "num_experts": experts,

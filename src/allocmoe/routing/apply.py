@@ -14,6 +14,11 @@ own plan, chosen through `handle.context.row_plans`, which is how the server bat
 different budgets into one forward pass. With `context.track_rows` set, each pass leaves the
 activations each row spent, summed over MoE layers, in `context.row_activations`.
 
+A plan with means (`plan.means`, core/means.py) also substitutes what it skips: its kept experts get
+the weights the full model gives them (for renormalising routers, normalised over the original
+top-K_orig, not the kept set), and the experts' output gains, per token, the sum over its skipped
+top-K_orig candidates of weight x that expert's calibrated mean output: one [T, E] x [E, H] product.
+
 A pass of B rows and S positions is S decode steps of B tokens (step s = position s of every row;
 in a left-padded prefill, column s). The distinct policy bounds the experts each step loads, and
 the handle counts them (mean and max per layer) where it runs, or for every policy with
@@ -181,8 +186,7 @@ def _mixed_selection(policies: list[Policy], groups: dict[int, list[int]], cand_
     outside = routed = None
     per_row = num_tokens // batch_size                                              # S
     for plan_index, rows in groups.items():
-        row_idx = torch.tensor(rows, device=valid.device)
-        tokens = (row_idx[:, None] * per_row + torch.arange(per_row, device=valid.device)).reshape(-1)  # [b*S]
+        tokens = _row_tokens(rows, per_row, valid.device)                              # [b*S]
         index[tokens], keep[tokens], counts[tokens], out = _select(
             policies[plan_index], cand_idx[tokens], cand_probs[tokens], probs[tokens], valid[tokens], len(rows), k_orig,
             decode_steps)
@@ -202,9 +206,23 @@ def _kept_first(index: torch.Tensor, keep: torch.Tensor, cand_idx: torch.Tensor,
     return index.gather(-1, order), own.gather(-1, order)
 
 
+def _substituted(adapter: MoEAdapter, router, scores, cand_idx: torch.Tensor, index: torch.Tensor,
+                 keep: torch.Tensor, renormalize: bool | None, means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Under a substitute: the kept experts' weights [T, W] as the full model gives them, and what the
+    skipped candidates add, sum over skipped e of weight_e x mean_e ([T, H])."""
+    full = adapter.combine(router, scores, cand_idx, torch.ones_like(cand_idx, dtype=torch.bool), renormalize)  # [T, K]
+    dense = torch.zeros_like(scores.probs, dtype=full.dtype).scatter_(1, cand_idx, full)                      # [T, E]
+    kept = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, index, keep)                                 # [T, E]
+    extra = dense.masked_fill(kept, 0.0) @ means.to(device=dense.device, dtype=dense.dtype)                 # [T, H]
+    return dense.gather(1, index) * keep, extra
+
+
 def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy], k_orig: int,
-                    ctx: RoutingContext, stats: LayerStats, renormalize: bool | None):
-    """`policies[i]` is this layer's policy under installed plan i (the list grows as plans are added)."""
+                    ctx: RoutingContext, stats: LayerStats, renormalize: bool | None,
+                    means: list[torch.Tensor | None], pending: dict):
+    """`policies[i]` is this layer's policy under installed plan i (the list grows as plans are added);
+    `means[i]` its substitute's expert means [E, H] or None. What a substitute adds is left in
+    `pending["extra"]` for the experts' forward (_experts_forward) to add to its output."""
     router, num_experts = layer.router, adapter.num_experts()
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
@@ -212,8 +230,11 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
         scores = adapter.score(router, hidden)
         valid = ctx.valid_mask(hidden.size(0), hidden.device)                 # [T]
         groups = ctx.plan_rows()
+        pending.pop("extra", None)
         policy = policies[next(iter(groups))] if len(groups) == 1 else None
         static_k = _static_k(policy, valid) if policy is not None and not ctx.recorders else None
+        if static_k is not None and static_k < k_orig and any(means[i] is not None for i in groups):
+            static_k = None                                                   # the substitute needs the candidates
         if static_k is not None:                                              # fast path: no per-token counts
             index = scores.ranking.topk(static_k, dim=-1).indices             # [T, k]
             weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
@@ -238,6 +259,15 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
                                                                     scores.probs, valid, ctx.batch_size,
                                                                     ctx.decode_steps)
         weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
+        for plan_index, rows in groups.items():
+            if means[plan_index] is not None:
+                tokens = _row_tokens(rows, hidden.size(0) // ctx.batch_size, valid.device) if len(groups) > 1 else None
+                sub_w, extra = _substituted(adapter, router, scores, cand_idx, index, keep, renormalize, means[plan_index])
+                if tokens is None:
+                    weights, pending["extra"] = sub_w.to(weights.dtype), extra
+                else:
+                    weights[tokens] = sub_w[tokens].to(weights.dtype)
+                    pending.setdefault("extra", torch.zeros_like(extra))[tokens] = extra[tokens]
         chosen, index = index, index.masked_fill(~keep, num_experts)         # [T, W] sentinel E where dropped
         stats.add(counts, valid)
         if outside is not None:
@@ -256,14 +286,42 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
     return forward
 
 
+def _row_tokens(rows: list[int], per_row: int, device) -> torch.Tensor:
+    """The token positions [len(rows) * S] of batch rows `rows` in a flattened [B, S] pass."""
+    row_idx = torch.tensor(rows, device=device)
+    return (row_idx[:, None] * per_row + torch.arange(per_row, device=device)).reshape(-1)
+
+
+def _experts_forward(experts: nn.Module, pending: dict):
+    """The compacted experts path, plus what the layer's substitute left in `pending` for this pass."""
+    def forward(hidden_states, top_k_index, top_k_weights):
+        out = compact_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
+        extra = pending.pop("extra", None)
+        return out if extra is None else out + extra.to(out.dtype).view_as(out)
+    return forward
+
+
+def _layer_means(plan: Plan, index: int) -> torch.Tensor | None:
+    if plan.means is None:
+        if plan.substitute:
+            raise AllocMoeError("the plan adds back skipped experts' means but they were not loaded (a plan built "
+                                "with Plan.from_dict); load it with Plan.load(path), which reads its means file")
+        return None
+    if any(isinstance(policy, DistinctExperts) for policy in plan.layers.values()):
+        raise AllocMoeError("a distinct-expert plan cannot carry a substitute (its steps choose experts outside a "
+                            "token's own top-K); make the plan without --substitute")
+    return plan.means.means[index]
+
+
 class PlanHandle:
     """A plan installed on a model. Use as a context manager, or call `remove()`."""
 
     def __init__(self, model: nn.Module, plans: list[Plan], layers: list[MoELayer], ctx: RoutingContext,
-                 stats: dict[int, LayerStats], hook, policies: dict[int, list[Policy]], k_orig: int):
+                 stats: dict[int, LayerStats], hook, policies: dict[int, list[Policy]], k_orig: int,
+                 means: dict[int, list[torch.Tensor | None]]):
         self.model, self.plans, self.context = model, plans, ctx
         self._layers, self._stats, self._hook = layers, stats, hook
-        self._policies, self._k_orig = policies, k_orig
+        self._policies, self._k_orig, self._means = policies, k_orig, means
         self.active = True
         self._entered = False
         self._model_id = id(model)      # a copied model carries a copy of this handle, and the original's id
@@ -280,8 +338,10 @@ class PlanHandle:
         plan.check_model(self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
+        added = {layer.index: _layer_means(plan, layer.index) for layer in self._layers}
         for layer in self._layers:
             self._policies[layer.index].append(plan.layers[layer.index])
+            self._means[layer.index].append(added[layer.index])
         self.plans.append(plan)
         return len(self.plans) - 1
 
@@ -388,10 +448,12 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
     for layer in layers:
         for policy in policies[layer.index]:
             policy.check(k_orig)
+    means = {layer.index: [_layer_means(plan, layer.index) for plan in plans] for layer in layers}
     for layer in layers:
+        pending: dict = {}          # the layer's substitute, handed from its router to its experts in a pass
         _set_forward(layer.router, _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
-                                                   stats[layer.index], renormalize))
-        _set_forward(layer.experts, compact_experts_forward.__get__(layer.experts))
+                                                   stats[layer.index], renormalize, means[layer.index], pending))
+        _set_forward(layer.experts, _experts_forward(layer.experts, pending))
         setattr(layer.router, _MARK, True)
         setattr(layer.experts, _MARK, True)
 
@@ -406,7 +468,7 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
         ctx.row_activations = None
 
     hook = model.register_forward_pre_hook(read_batch, with_kwargs=True)
-    handle = PlanHandle(model, list(plans), layers, ctx, stats, hook, policies, k_orig)
+    handle = PlanHandle(model, list(plans), layers, ctx, stats, hook, policies, k_orig, means)
     model.__dict__[_HANDLE] = handle
     return handle
 
