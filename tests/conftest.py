@@ -79,6 +79,30 @@ def train_tiny_tokenizer(folder, vocab_size: int = 300):
 
 
 @pytest.fixture(scope="session")
+def tok(tmp_path_factory):
+    """The tiny byte-level BPE of `train_tiny_tokenizer`, trained once for the session."""
+    return train_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+
+
+def relative_difference(a, b) -> float:
+    """The largest relative difference between two sensitivity tables (lists of rows)."""
+    return max(abs(x - y) / abs(y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
+
+
+class KillAfter:
+    """An `on_cell` callback that raises `error` (Ctrl-C by default) when the `count`-th cell is
+    reported, as a kill of the profiling process would land; `cells` lists the cells reported."""
+
+    def __init__(self, count: int, error: type[BaseException] = KeyboardInterrupt):
+        self.count, self.error, self.cells = count, error, []
+
+    def __call__(self, layer: int, k: int) -> None:
+        self.cells.append((layer, k))
+        if len(self.cells) == self.count:
+            raise self.error
+
+
+@pytest.fixture(scope="session")
 def tiny_folder(tmp_path_factory):
     """A tiny deepseek_v2 model folder with a tokenizer, as a user would point --model at."""
     folder = tmp_path_factory.mktemp("tiny_deepseek")

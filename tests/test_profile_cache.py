@@ -9,24 +9,15 @@ import torch
 
 from allocmoe.calibrate.prefix import layer_passes, naive_layer_passes, profile_schedule
 from allocmoe.calibrate.profile import _CellBar, profile_cells, profile_sensitivity
-from conftest import FAMILIES, build_tiny, train_tiny_tokenizer
+from conftest import FAMILIES, KillAfter, build_tiny, relative_difference
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
 CFG = {"seq_len": 32, "max_tokens": 256, "batch_size": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
 
 
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return train_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
-
-
 def tiny(family, tok, num_layers=4):
     extra = {"layer_types": ["sliding_attention", "full_attention"] * (num_layers // 2)} if family == "gpt_oss" else {}
     return build_tiny(family, vocab_size=len(tok), num_hidden_layers=num_layers, **extra)
-
-
-def relative_difference(a, b):
-    return max(abs(x - y) / abs(y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
@@ -91,15 +82,8 @@ def test_a_kill_mid_layer_resumes_to_the_same_table(tok, tmp_path, family, kill_
     model = tiny(family, tok)
     reference = profile_sensitivity(model, tok, TEXT, {**CFG, "prefix_cache": False})
     out = tmp_path / "profile.json"
-    cells = []
-
-    def die(layer, k):
-        cells.append((layer, k))
-        if len(cells) == kill_after:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        profile_sensitivity(model, tok, TEXT, CFG, output=out, on_cell=die)
+        profile_sensitivity(model, tok, TEXT, CFG, output=out, on_cell=KillAfter(kill_after))
     assert not out.exists() and (tmp_path / "profile.json.partial.json").exists()
     for layer in model.model.layers:                                  # nothing left patched by the kill
         assert "forward" not in layer.__dict__ and not layer._forward_pre_hooks

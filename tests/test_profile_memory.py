@@ -18,16 +18,11 @@ from allocmoe.calibrate.walk import memory_plan, parse_size
 from allocmoe.cli import main
 from allocmoe.errors import AllocMoeError
 from allocmoe.models import inspect_model
-from conftest import FAMILIES, build_tiny, train_tiny_tokenizer
+from conftest import FAMILIES, KillAfter, build_tiny, relative_difference
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
 CFG = {"seq_len": 32, "max_tokens": 256, "batch_size": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
 TOKENS = 8 * 32
-
-
-@pytest.fixture(scope="module")
-def tok(tmp_path_factory):
-    return train_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
 
 
 def saved(family, tok, folder, **overrides):
@@ -36,10 +31,6 @@ def saved(family, tok, folder, **overrides):
     model.save_pretrained(folder)
     tok.save_pretrained(folder)
     return model
-
-
-def relative_difference(a, b):
-    return max(abs(x - y) / abs(y) for row_a, row_b in zip(a, b) for x, y in zip(row_a, row_b))
 
 
 def cap_for(folder, tok, cells_per_walk, config=CFG):
@@ -138,15 +129,8 @@ def test_a_kill_mid_walk_leaves_only_the_partial_file_and_resumes_to_the_same_ta
     model = saved("olmoe", tok, folder)
     reference = profile_sensitivity(model, tok, TEXT, CFG)
     config = {**CFG, "max_memory": cap_for(folder, tok, 2)}
-    done = []
-
-    def die(layer, k):
-        done.append((layer, k))
-        if len(done) == kill_after:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        profile_sensitivity(folder, tok, TEXT, config, output=out, on_cell=die)
+        profile_sensitivity(folder, tok, TEXT, config, output=out, on_cell=KillAfter(kill_after))
     assert sorted(p.name for p in out.parent.iterdir()) == ["profile.json.partial.json"]
     resumed = profile_sensitivity(folder, tok, TEXT, config, output=out)
     assert resumed["provenance"]["configurations_resumed"] == kill_after

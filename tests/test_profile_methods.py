@@ -9,16 +9,13 @@ from allocmoe import AllocMoeError, apply_plan, model_fingerprint, static_plan
 from allocmoe.measure.evaluate import evaluate_perplexity, tokenize_windows
 from allocmoe.calibrate.methods import allocate, linear_allocation, spread_evenly
 from allocmoe.calibrate.profile import load_profile, profile_cells, profile_sensitivity
-from conftest import build_tiny
+from conftest import KillAfter, build_tiny
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
 
 
 @pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    from conftest import train_tiny_tokenizer
-
-    tok = train_tiny_tokenizer(tmp_path_factory.mktemp("tok"))
+def setup(tok):
     model = build_tiny("qwen3_moe", vocab_size=len(tok))
     return model, tok
 
@@ -51,15 +48,8 @@ def test_profile_killed_midway_resumes_and_finishes_identically(setup, tmp_path)
     model, tok = setup
     out = tmp_path / "profile.json"
     reference = profile_sensitivity(model, tok, TEXT, CFG)
-    calls = []
-
-    def die_after_three(layer, k):
-        calls.append((layer, k))
-        if len(calls) == 3:
-            raise KeyboardInterrupt
-
     with pytest.raises(KeyboardInterrupt):
-        profile_sensitivity(model, tok, TEXT, CFG, output=out, on_cell=die_after_three)
+        profile_sensitivity(model, tok, TEXT, CFG, output=out, on_cell=KillAfter(3))
     assert not out.exists() and (tmp_path / "profile.json.partial.json").exists()
     resumed_calls = []
     resumed = profile_sensitivity(model, tok, TEXT, CFG, output=out, on_cell=lambda l, k: resumed_calls.append(1))

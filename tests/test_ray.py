@@ -1,23 +1,31 @@
 """Profiling and sweeping on Ray (calibrate/distributed.py): a local Ray instance of two one-thread
 workers gives the single-process table bit for bit, also when a worker is killed mid-run, with every
-cell reported once; a killed driver resumes from the partial file; `--ray` without Ray is refused."""
+cell and row reported once; a killed driver resumes from the partial file; a sweep's lm-eval tasks
+score the same on Ray; `--ray-workers` reaches the configs; Ray fields that cannot work are refused
+before any work; `--ray` without Ray is refused."""
 
 import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
 
-from allocmoe.calibrate.profile import profile_cells, profile_sensitivity
+from allocmoe.calibrate.profile import ProfileConfig, profile_cells, profile_sensitivity
+from allocmoe.errors import AllocMoeError
+from allocmoe.measure.sweep import SweepConfig, sweep
+from conftest import KillAfter
 
 ray = pytest.importorskip("ray")
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(2000))
 CFG = {"seq_len": 32, "max_tokens": 1024, "batch_size": 4, "progress": False}    # one thread, as the workers
 RAY = {"ray": "local", "ray_workers": 2, "threads_per_worker": 1}
+SWEEP = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_max_tokens": 256,
+         "seq_len": 32, "batch_size": 4, "progress": False, "profile": ProfileConfig(max_tokens=256, progress=False)}
 
 
 @pytest.fixture(scope="module")
@@ -26,18 +34,34 @@ def single(tiny_folder):
     return profile_sensitivity(str(tiny_folder), None, TEXT, CFG)
 
 
-def worker_pids() -> list[int]:
-    """Processes of live profile workers (Ray titles them `ray::_ProfileWorker...`)."""
-    found = []
+def worker_processes(kind: str) -> dict[int, bytes]:
+    """pid -> title of the live Ray workers of `kind` (Ray titles them `ray::SweepWorker`, and
+    `ray::SweepWorker.run` while they run an item)."""
+    found = {}
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
             try:
                 title = (entry / "cmdline").read_bytes().split(b"\0")[0]
             except OSError:
                 continue
-            if title.startswith(b"ray::_ProfileWorker"):
-                found.append(int(entry.name))
+            if title.split(b".")[0] == f"ray::{kind}".encode():
+                found[int(entry.name)] = title
     return found
+
+
+def kill_a_worker(kind: str) -> int:
+    """SIGKILL one worker of `kind`, a busy one if one shows within two seconds (else any); its pid."""
+    deadline = time.monotonic() + 2
+    while True:
+        workers = worker_processes(kind)
+        busy = [pid for pid, title in workers.items() if title.endswith(b".run")]
+        if busy or time.monotonic() > deadline:
+            break
+        time.sleep(0.005)
+    assert workers, f"no Ray {kind} process found"
+    pid = (busy or sorted(workers))[0]
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def test_two_workers_give_the_single_process_table_even_when_one_is_killed(tiny_folder, single, tmp_path):
@@ -47,10 +71,7 @@ def test_two_workers_give_the_single_process_table_even_when_one_is_killed(tiny_
     def kill_one_worker(layer, k):                 # after the first cell arrives: SIGKILL a busy worker
         reported.append((layer, k))
         if not killed:
-            pids = worker_pids()
-            assert pids, "no Ray profile worker process found"
-            os.kill(pids[0], signal.SIGKILL)
-            killed.append(pids[0])
+            killed.append(kill_a_worker("ProfileWorker"))
 
     output = tmp_path / "profile.json"
     profile = profile_sensitivity(str(tiny_folder), None, TEXT, {**CFG, **RAY}, output=output,
@@ -65,17 +86,8 @@ def test_two_workers_give_the_single_process_table_even_when_one_is_killed(tiny_
 
 def test_a_ray_run_resumes_a_partial_file_and_recomputes_nothing_finished(tiny_folder, single, tmp_path):
     output = tmp_path / "profile.json"
-
-    class Stop(Exception):
-        pass
-
-    def stop_after_three(layer, k, seen=[]):
-        seen.append((layer, k))
-        if len(seen) == 3:
-            raise Stop
-
-    with pytest.raises(Stop):                      # the driver dies after writing three cells
-        profile_sensitivity(str(tiny_folder), None, TEXT, CFG, output=output, on_cell=stop_after_three)
+    with pytest.raises(KeyboardInterrupt):         # the driver dies after writing three cells
+        profile_sensitivity(str(tiny_folder), None, TEXT, CFG, output=output, on_cell=KillAfter(3))
     assert not ray.is_initialized()
     reported = []
     profile = profile_sensitivity(str(tiny_folder), None, TEXT, {**CFG, **RAY}, output=output,
@@ -85,15 +97,99 @@ def test_a_ray_run_resumes_a_partial_file_and_recomputes_nothing_finished(tiny_f
     assert len(reported) == profile["provenance"]["configurations_run"] - 3
 
 
+def test_a_ray_sweep_gives_the_single_process_table_even_when_a_worker_is_killed(tiny_folder, tmp_path, capsys):
+    from allocmoe.models import load_model
+
+    model, tok = load_model(tiny_folder)
+    single = sweep(model, tok, TEXT, TEXT, SWEEP)
+    reported, killed = [], []
+
+    def kill_one_worker(method, budget):           # after the first row arrives: SIGKILL a busy row worker
+        reported.append((method, budget))
+        if not killed:
+            killed.append(kill_a_worker("SweepWorker"))
+
+    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**SWEEP, "ray": "local", "ray_workers": 2, "progress": True},
+                   output_dir=tmp_path / "s", on_row=kill_one_worker)
+    assert not ray.is_initialized()
+    assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]      # bit for bit, in order
+    assert on_ray["calibration"] == single["calibration"]
+    assert killed and on_ray["ray"]["workers_replaced"] == 1 and on_ray["ray"]["workers"] == 2
+    assert sorted((method, round(budget, 6)) for method, budget in reported) == sorted(
+        (row["method"], row["budget"]) for row in single["rows"])                     # each row reported once
+    assert (tmp_path / "s" / "results.json").is_file()
+    err = capsys.readouterr().err
+    assert "workers busy 2/2" in err                  # the bars show the workers at work
+
+
+def test_a_ray_sweep_scores_lm_eval_tasks_as_the_single_process(tiny_folder, tmp_path):
+    pytest.importorskip("lm_eval")
+    from allocmoe.models import load_model
+
+    config = {**SWEEP, "budgets": ("1/2",), "methods": ("uniform", "alloc-t"), "tasks": ("allocmoe_cloze",),
+              "task_limit": 4}
+    model, tok = load_model(tiny_folder)
+    single = sweep(model, tok, TEXT, TEXT, config)
+    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**config, "ray": "local", "ray_workers": 2})
+    assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]
+    assert set(on_ray["full"]["tasks"]) == {"allocmoe_cloze"} and all("tasks" in row for row in on_ray["rows"])
+
+
 def test_ray_refuses_a_loaded_model_and_max_memory(tiny_folder):
-    from allocmoe.errors import AllocMoeError
     from allocmoe.models import load_model
 
     model, tok = load_model(tiny_folder)
     with pytest.raises(AllocMoeError, match="folder"):
         profile_sensitivity(model, tok, TEXT, {**CFG, **RAY})
+    with pytest.raises(AllocMoeError, match="folder"):
+        sweep(model, tok, TEXT, TEXT, {**SWEEP, "ray": "local"})
     with pytest.raises(AllocMoeError, match="--max-memory"):
         profile_sensitivity(str(tiny_folder), None, TEXT, {**CFG, **RAY, "max_memory": "300MiB"})
+
+
+@pytest.mark.parametrize("config_class, fields, message", [
+    (ProfileConfig, {"ray_workers": 2}, "ray_workers (--ray-workers) is 2 but ray (--ray) is not given; add --ray"),
+    (ProfileConfig, {"threads_per_worker": 2}, "ProfileConfig.threads_per_worker is 2 but ray (--ray) is not given"),
+    (ProfileConfig, {"ray": "local", "ray_workers": 0}, "ray_workers (--ray-workers) must be a whole number >= 1"),
+    (ProfileConfig, {"ray": "local", "ray_workers": True}, "ray_workers (--ray-workers) must be a whole number"),
+    (ProfileConfig, {"ray": "local", "threads_per_worker": 0}, "threads_per_worker (ProfileConfig.threads_per_worker) must be a whole number >= 1"),
+    (ProfileConfig, {"ray": "local", "max_memory": "1GiB"}, "--ray and --max-memory cannot be combined yet"),
+    (SweepConfig, {"ray_workers": 2}, "ray_workers (--ray-workers) is 2 but ray (--ray) is not given"),
+    (SweepConfig, {"ray": "local", "ray_workers": 1.5}, "ray_workers (--ray-workers) must be a whole number >= 1"),
+    (SweepConfig, {"threads_per_worker": 3}, "SweepConfig.threads_per_worker is 3 but ray (--ray) is not given"),
+    (SweepConfig, {"ray": "local", "profile": {"max_memory": "1GiB"}}, "ray cannot be combined with profile.max_memory"),
+    (SweepConfig, {"profile": {"ray": "local"}}, "give ray (and ray_workers, threads_per_worker) on SweepConfig"),
+])
+def test_ray_fields_that_cannot_work_are_refused_before_any_work(config_class, fields, message):
+    with pytest.raises(AllocMoeError) as refused:
+        config_class(**fields)
+    assert message in str(refused.value) and "; " in str(refused.value)
+    assert not ray.is_initialized()
+
+
+def test_ray_workers_on_the_command_line_reach_the_profile_and_sweep_configs(tiny_folder, tmp_path, monkeypatch):
+    import allocmoe.calibrate.profile as profile_module
+    import allocmoe.measure.sweep as sweep_module
+    from allocmoe.cli import main
+
+    seen = {}
+
+    def stop(name):
+        def capture(model, tokenizer, *args, **kwargs):
+            seen[name] = args[2] if name == "sweep" else args[1]
+            raise SystemExit(0)                      # captured: no need to run it
+        return capture
+
+    monkeypatch.setattr(profile_module, "profile_sensitivity", stop("profile"))
+    monkeypatch.setattr(sweep_module, "sweep", stop("sweep"))
+    common = ["--model", str(tiny_folder), "--seq-len", "32", "--calib-tokens", "64", "--quiet"]
+    for argv in (["profile", *common, "--output", str(tmp_path / "p.json"), "--ray", "--ray-workers", "3"],
+                 ["sweep", *common, "--output", str(tmp_path / "s"), "--eval-tokens", "64", "--ray", "auto",
+                  "--ray-workers", "3"]):
+        with pytest.raises(SystemExit):
+            main(argv)
+    assert (seen["profile"].ray, seen["profile"].ray_workers) == ("local", 3)
+    assert (seen["sweep"].ray, seen["sweep"].ray_workers) == ("auto", 3)
 
 
 def test_ray_flag_without_ray_is_refused_in_one_line_before_any_work(tmp_path):
@@ -105,27 +201,9 @@ def test_ray_flag_without_ray_is_refused_in_one_line_before_any_work(tmp_path):
         "importlib.util.find_spec = lambda name, *a, **k: None if name == 'ray' else _find(name, *a, **k)\n")
     env = {**os.environ, "PYTHONPATH": str(blocker)}
     for argv in (["profile", "--output", str(tmp_path / "p.json"), "--ray"],
-                 ["sweep", "--output", str(tmp_path / "s"), "--ray", "auto"]):
+                 ["sweep", "--output", str(tmp_path / "s"), "--ray", "auto", "--ray-workers", "2"]):
         done = subprocess.run([sys.executable, "-m", "allocmoe", *argv], env=env, capture_output=True, text=True,
                               timeout=120)
         assert done.returncode == 2
         assert done.stderr.strip() == "allocmoe: error: --ray needs Ray; pip install 'allocmoe[ray]'"
         assert not (tmp_path / "p.json").exists() and not (tmp_path / "s").exists()
-
-
-def test_a_ray_sweep_gives_the_single_process_table(tiny_folder, tmp_path):
-    from allocmoe.calibrate.profile import ProfileConfig
-    from allocmoe.measure.sweep import sweep
-    from allocmoe.models import load_model
-
-    config = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_max_tokens": 256,
-              "seq_len": 32, "batch_size": 4, "progress": False,
-              "profile": ProfileConfig(max_tokens=256, progress=False)}
-    model, tok = load_model(tiny_folder)
-    single = sweep(model, tok, TEXT, TEXT, config)
-    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**config, "ray": "local",
-                   "profile": ProfileConfig(max_tokens=256, progress=False, ray_workers=2)}, output_dir=tmp_path / "s")
-    assert not ray.is_initialized()
-    assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]
-    assert on_ray["calibration"] == single["calibration"]
-    assert (tmp_path / "s" / "results.json").is_file()

@@ -1,19 +1,19 @@
 """Profiling and sweeping on Ray: the same cells and rows, spread over actors that each load the model once.
 
-Not a scheduler of its own and not a second protocol: a worker runs the cells it is given with the
-very code of the single-process profile (profile._ProfileRun, prefix cache included), so a cell's
-number is the single-process one (bit for bit when workers and the single process use the same
-torch thread count; a different count can change float sums in the matmuls).
+Not a scheduler of its own and not a second protocol: a worker runs what it is given with the very
+code of the single process (profile._ProfileRun, prefix cache included, and sweep._RowWork), so a
+cell's or a row's number is the single-process one (bit for bit when workers and the single process
+use the same torch thread count; a different count can change float sums in the matmuls).
 
-Profile: the pending cells are grouped by MoE layer; a group goes to one idle actor, which computes the
-states entering that layer once and streams back each cell as it finishes (a Ray streaming generator),
-so the driver writes every finished cell into `<output>.partial.json` as it arrives and a killed
-driver resumes from it. A worker that dies (its process killed, its node lost) is replaced by a fresh
-actor, placed wherever the cluster has room, and only the cells of its group that had not come back
-are sent again: nothing finished is lost or recomputed.
+One pool (RayPool) runs both: each actor loads the model once and holds a job (the profile's or the
+sweep's fixed inputs); an item sent to an idle actor streams back each result as it finishes (a Ray
+streaming generator). A worker that dies (its process killed, its node lost) is replaced by a fresh
+actor, placed wherever the cluster has room, and only the part of its item whose results had not
+come back is sent again: nothing finished is lost or recomputed.
 
-Sweep: each (budget, method) row is a task on an actor holding the model; a row whose worker dies is
-sent again to a replacement.
+Profile: an item is the pending cells of one MoE layer, the states entering that layer computed once
+per item; the driver writes every finished cell into `<output>.partial.json` as it arrives, so a
+killed driver resumes from it. Sweep: an item is the full model or one (budget, method) row.
 
 Addresses: None or 'local' starts a local Ray instance; 'auto' joins the cluster RAY_ADDRESS names (or the
 one running on this node); anything else ('ray://head:10001', 'head:6379') is passed to ray.init.
@@ -25,8 +25,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, Callable, Iterator
 
 import torch
@@ -65,44 +64,140 @@ def connect(settings: RaySettings) -> tuple[bool, int]:
             ray.init(address=address, **kwargs)
         except Exception as exc:          # Ray raises ConnectionError, ValueError, RuntimeError... for a bad address
             where = f"the Ray cluster at {address}" if address else "a local Ray instance"
-            first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-            raise AllocMoeError(f"cannot start or join {where} ({first}); check --ray ADDRESS (or RAY_ADDRESS "
-                                "for auto), or give --ray with no value for a local instance") from None
+            raise AllocMoeError(f"cannot start or join {where} ({_first_line(exc)}); check --ray ADDRESS (or "
+                                "RAY_ADDRESS for auto), or give --ray with no value for a local instance") from None
         started = True
     cpus = int(ray.cluster_resources().get("CPU", 1))
     workers = settings.workers or max(1, cpus // settings.threads_per_worker)
     return started, workers
 
 
-def _load_model(model_path: str, trust_remote_code: bool, threads: int):
-    torch.set_num_threads(threads)
-    from ..models import inspect_model
+class _ModelWorker:
+    """A Ray actor: loads the model once, holds a job, and runs the job's items, streaming back each
+    result (with this process's id, so the driver can count the processes that did the work)."""
 
-    spec = inspect_model(model_path, trust_remote_code=trust_remote_code)
-    model, tokenizer = spec.load()
-    return model, tokenizer
+    def __init__(self, model_path: str, trust_remote_code: bool, threads: int, job):
+        torch.set_num_threads(threads)
+        from ..models import inspect_model
+
+        self.model, self.tokenizer = inspect_model(model_path, trust_remote_code=trust_remote_code).load()
+        self.job = job
+
+    def run(self, item):
+        for result in self.job.run(self.model, self.tokenizer, item):
+            yield os.getpid(), result
 
 
-class _ProfileWorker:
-    """Holds one loaded model; runs groups of cells of one MoE layer, yielding each as it finishes."""
+class ProfileWorker(_ModelWorker):
+    """A worker holding a profile's job (its processes are titled `ray::ProfileWorker`)."""
 
-    def __init__(self, model_path: str, trust_remote_code: bool, threads: int, windows, config, fingerprint):
-        self.model, self.tokenizer = _load_model(model_path, trust_remote_code, threads)
+
+class SweepWorker(_ModelWorker):
+    """A worker holding a sweep's job (its processes are titled `ray::SweepWorker`)."""
+
+
+class RayPool:
+    """Actors of `worker_class` that each hold the model and `job` (an object with `run(model,
+    tokenizer, item)`, a generator of results); `results` sends items to idle actors and yields (item,
+    result) as results arrive, in whatever order they finish, replacing any worker that dies."""
+
+    def __init__(self, worker_class: type[_ModelWorker], spec, job, settings: RaySettings, workers: int,
+                 rerun_hint: str):
+        import ray
+
+        self.settings, self.most_workers, self.rerun_hint = settings, workers, rerun_hint
+        self.worker_class = ray.remote(num_cpus=settings.threads_per_worker, max_restarts=0,
+                                       max_task_retries=0)(worker_class)
+        self.args = (str(spec.path), bool(getattr(spec, "trust_remote_code", False)), settings.threads_per_worker,
+                     ray.put(job))
+        self.workers = self.replaced = 0
+        self.pids: set[int] = set()
+
+    def results(self, items: list, rest: Callable[[Any, list], Any], bar) -> Iterator[tuple[Any, Any]]:
+        """(item, result) for every result of every item. `rest(item, results back so far)` is what a
+        dead worker's item still needs (None or empty: nothing): it is sent again, first, to a new actor.
+        The bar shows `workers busy n/N`."""
+        import ray
+
+        pending = list(items)
+        self.workers = min(self.most_workers, len(pending))
+        idle = [self.worker_class.remote(*self.args) for _ in range(self.workers)]
+        busy: dict[Any, tuple[Any, Any, list]] = {}      # generator -> (actor, item, results back)
+        try:
+            while pending or busy:
+                while pending and idle:
+                    actor, item = idle.pop(), pending.pop(0)
+                    busy[actor.run.remote(item)] = (actor, item, [])
+                bar.set_postfix_str(f"workers busy {len(busy)}/{self.workers}", refresh=False)
+                bar.refresh()
+                ready, _ = ray.wait(list(busy), num_returns=1)
+                generator = ready[0]
+                actor, item, back = busy[generator]
+                try:
+                    pid, result = ray.get(next(generator))
+                except StopIteration:
+                    del busy[generator]
+                    idle.append(actor)
+                    continue
+                except ray.exceptions.RayTaskError as exc:
+                    raise _raised_in_worker(exc) from None
+                except _dead_worker_errors() as exc:
+                    del busy[generator]
+                    self._replace(actor, exc)
+                    left = rest(item, back)
+                    if left:
+                        pending.insert(0, left)
+                    idle.append(self.worker_class.remote(*self.args))
+                    continue
+                self.pids.add(pid)
+                back.append(result)
+                yield item, result
+        finally:
+            for actor, _, _ in busy.values():
+                ray.kill(actor)
+            for actor in idle:
+                ray.kill(actor)
+
+    def _replace(self, actor, exc: Exception) -> None:
+        import ray
+
+        self.replaced += 1
+        if self.replaced > MAX_REPLACEMENTS * self.workers:
+            raise AllocMoeError(f"Ray workers keep dying ({self.replaced} replaced; last: {_last_line(exc)}); "
+                                f"{self.rerun_hint}") from None
+        ray.kill(actor)
+
+    def provenance(self) -> dict[str, Any]:
+        """How the work was spread: address, workers, threads each, workers replaced, processes that worked."""
+        return {"address": self.settings.address or "local", "workers": self.workers,
+                "threads_per_worker": self.settings.threads_per_worker, "workers_replaced": self.replaced,
+                "worker_processes": len(self.pids)}
+
+
+class _ProfileJob:
+    """A profile worker's fixed inputs; an item is a group of cells of one MoE layer, run by the
+    single-process code, yielding ("cell", (configuration, perplexity)) as each finishes, then
+    ("facts", the work it counted)."""
+
+    def __init__(self, windows: torch.Tensor, config, fingerprint: dict[str, Any]):
         self.windows, self.config, self.fingerprint = windows, config, fingerprint
 
-    def ready(self) -> int:
-        return os.getpid()
-
-    def cells(self, group: list[tuple[int, ...]]):
+    def run(self, model, tokenizer, group: list[tuple[int, ...]]):
         from .profile import _ProfileRun
 
-        run = _ProfileRun(self.model, self.tokenizer, self.windows, self.config, self.fingerprint, group)
+        run = _ProfileRun(model, tokenizer, self.windows, self.config, self.fingerprint, group)
         try:
             for configuration, ppl in run.cells(_NoBar()):
-                yield ("cell", configuration, ppl, os.getpid())
+                yield "cell", (configuration, ppl)
         finally:
             run.release()
-        yield ("facts", run.provenance(), None, os.getpid())
+        yield "facts", run.provenance()
+
+    @staticmethod
+    def rest(group: list[tuple[int, ...]], back: list) -> list[tuple[int, ...]]:
+        """The cells of a dead worker's group that had not come back."""
+        finished = {tuple(payload[0]) for kind, payload in back if kind == "cell"}
+        return [configuration for configuration in group if configuration not in finished]
 
 
 class _NoBar:
@@ -119,27 +214,21 @@ class RayProfileRun:
 
     def __init__(self, spec, windows: torch.Tensor, config, fingerprint: dict[str, Any], todo: list[tuple[int, ...]],
                  settings: RaySettings):
-        import ray
-
         from .prefix import start_position
 
-        self.settings, self.todo = settings, todo
-        self.k_orig = fingerprint["k_orig"]
         groups: dict[int, list[tuple[int, ...]]] = {}
         for configuration in todo:                       # one group per MoE layer: its states computed once
-            groups.setdefault(start_position(configuration, self.k_orig), []).append(configuration)
+            groups.setdefault(start_position(configuration, fingerprint["k_orig"]), []).append(configuration)
         self.groups = [groups[layer] for layer in sorted(groups)]
+        self.settings, self.pool = settings, None
+        self.facts = {"prefix_cache": config.prefix_cache, "layer_passes": 0, "naive_layer_passes": 0,
+                      "peak_cache_bytes": 0}
         self.started_ray, workers = connect(settings) if todo else (False, 0)
         try:                                             # a Ray this run started never outlives a failed setup
-            self.workers = min(workers, len(self.groups))
-            self.facts = {"prefix_cache": config.prefix_cache, "layer_passes": 0, "naive_layer_passes": 0,
-                          "peak_cache_bytes": 0}
-            self.replacements, self.pids = 0, set()
-            self.worker_class = ray.remote(num_cpus=settings.threads_per_worker, max_restarts=0,
-                                           max_task_retries=0)(_ProfileWorker)
-            worker_config = type(config)(**{**config.__dict__, "progress": False, "ray": None})
-            self.args = (str(spec.path), bool(getattr(spec, "trust_remote_code", False)),
-                         settings.threads_per_worker, ray.put(windows) if todo else None, worker_config, fingerprint)
+            if todo:
+                worker_config = replace(config, progress=False, ray=None, ray_workers=None, threads_per_worker=1)
+                self.pool = RayPool(ProfileWorker, spec, _ProfileJob(windows, worker_config, fingerprint), settings,
+                                    workers, "the finished cells are kept in the partial file, rerun to resume")
         except BaseException:
             self.release()
             raise
@@ -148,57 +237,20 @@ class RayProfileRun:
         return 0          # the bar's time left then counts cells (the groups run side by side)
 
     def cells(self, bar) -> Iterator[tuple[tuple[int, ...], float]]:
-        import ray
-
-        pending = list(self.groups)                      # groups (or their unfinished rests) not yet sent
-        idle = [self.worker_class.remote(*self.args) for _ in range(self.workers)]
-        busy: dict[Any, tuple[Any, list[tuple[int, ...]]]] = {}     # generator -> (actor, cells not back yet)
-        try:
-            while pending or busy:
-                while pending and idle:
-                    actor, group = idle.pop(), pending.pop(0)
-                    busy[actor.cells.remote(group)] = (actor, list(group))
-                bar.set_postfix_str(f"workers busy {len(busy)}/{self.workers}", refresh=False)
-                ready, _ = ray.wait(list(busy), num_returns=1)
-                generator = ready[0]
-                actor, left = busy[generator]
-                try:
-                    kind, payload, ppl, pid = ray.get(next(generator))
-                except StopIteration:
-                    del busy[generator]
-                    idle.append(actor)
-                    continue
-                except ray.exceptions.RayTaskError as exc:
-                    raise _raised_in_worker(exc) from None
-                except _dead_worker_errors() as exc:
-                    del busy[generator]
-                    self.replacements += 1
-                    if self.replacements > MAX_REPLACEMENTS * self.workers:
-                        cause = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-                        raise AllocMoeError(f"Ray workers keep dying ({self.replacements} replaced; last: {cause}); "
-                                            "the finished cells are kept in the partial file, rerun to resume") from None
-                    ray.kill(actor)
-                    pending.insert(0, left)              # only the cells that had not come back
-                    idle.append(self.worker_class.remote(*self.args))
-                    continue
-                self.pids.add(pid)
-                if kind == "facts":
-                    for name in ("layer_passes", "naive_layer_passes"):
-                        self.facts[name] += payload[name]
-                    self.facts["peak_cache_bytes"] = max(self.facts["peak_cache_bytes"], payload["peak_cache_bytes"])
-                    self.facts["prefix_cache"] = self.facts["prefix_cache"] and payload["prefix_cache"]
-                    if payload.get("prefix_cache_refused"):
-                        self.facts["prefix_cache_refused"] = payload["prefix_cache_refused"]
-                    self.facts["decoder_layers"] = payload["decoder_layers"]
-                    continue
-                configuration = tuple(payload)
-                left.remove(configuration)
-                yield configuration, ppl
-        finally:
-            for generator, (actor, _) in busy.items():
-                ray.kill(actor)
-            for actor in idle:
-                ray.kill(actor)
+        if self.pool is None:
+            return
+        for _, (kind, payload) in self.pool.results(self.groups, _ProfileJob.rest, bar):
+            if kind == "cell":
+                configuration, ppl = payload
+                yield tuple(configuration), ppl
+                continue
+            for name in ("layer_passes", "naive_layer_passes"):
+                self.facts[name] += payload[name]
+            self.facts["peak_cache_bytes"] = max(self.facts["peak_cache_bytes"], payload["peak_cache_bytes"])
+            self.facts["prefix_cache"] = self.facts["prefix_cache"] and payload["prefix_cache"]
+            if payload.get("prefix_cache_refused"):
+                self.facts["prefix_cache_refused"] = payload["prefix_cache_refused"]
+            self.facts["decoder_layers"] = payload["decoder_layers"]
 
     def release(self) -> None:
         import ray
@@ -210,78 +262,11 @@ class RayProfileRun:
     def provenance(self) -> dict[str, Any]:
         """The work the workers reported (a group cut short by a dead worker is not counted), and how the
         run was spread: workers, threads each, workers replaced."""
-        return {**self.facts, "ray": {"address": self.settings.address or "local", "workers": self.workers,
-                                      "threads_per_worker": self.settings.threads_per_worker,
-                                      "workers_replaced": self.replacements,
-                                      "worker_processes": len(self.pids)}}
-
-
-class _SweepWorker:
-    """Holds one loaded model; scores the full model or one (budget, method) row of a sweep."""
-
-    def __init__(self, model_path: str, trust_remote_code: bool, threads: int, work):
-        self.model, self.tokenizer = _load_model(model_path, trust_remote_code, threads)
-        self.work = work
-
-    def run(self, item):
-        if item[0] == "full":
-            return self.work.full(self.model, self.tokenizer)
-        _, budget, method = item
-        return self.work.row(self.model, self.tokenizer, budget, method, None)
-
-
-def ray_rows(spec, tokenizer, work, pairs: list, settings: RaySettings, workers: int, bar):
-    """The full model's figures and every (budget, method) row of a sweep, each a task on an actor that
-    holds the model; a task whose worker dies goes to a replacement. Returns (full, full task scores,
-    [(row, plan key, plan dict)] in the order of `pairs`)."""
-    import ray
-
-    from ..measure.sweep import relative_change
-
-    worker_class = ray.remote(num_cpus=settings.threads_per_worker, max_restarts=0, max_task_retries=0)(_SweepWorker)
-    args = (str(spec.path), bool(getattr(spec, "trust_remote_code", False)), settings.threads_per_worker,
-            ray.put(work))
-    items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
-    workers = min(workers, len(items))
-    idle = [worker_class.remote(*args) for _ in range(workers)]
-    busy: dict[Any, tuple[Any, tuple]] = {}
-    results: dict[Any, Any] = {}
-    replaced = 0
-    try:
-        while items or busy:
-            while items and idle:
-                actor, item = idle.pop(), items.pop(0)
-                busy[actor.run.remote(item)] = (actor, item)
-            bar.set_postfix_str(f"workers busy {len(busy)}/{workers}", refresh=False)
-            bar.refresh()
-            ready, _ = ray.wait(list(busy), num_returns=1)
-            actor, item = busy.pop(ready[0])
-            try:
-                results[item[0]] = ray.get(ready[0])
-            except ray.exceptions.RayTaskError as exc:
-                raise _raised_in_worker(exc) from None
-            except _dead_worker_errors() as exc:
-                replaced += 1
-                if replaced > MAX_REPLACEMENTS * workers:
-                    raise AllocMoeError(f"Ray workers keep dying ({replaced} replaced; last: "
-                                        f"{type(exc).__name__}); rerun the sweep") from None
-                ray.kill(actor)
-                items.insert(0, item)
-                idle.append(worker_class.remote(*args))
-                continue
-            idle.append(actor)
-            if item[0] != "full":
-                bar.update(1)
-    finally:
-        for actor, _ in busy.values():
-            ray.kill(actor)
-        for actor in idle:
-            ray.kill(actor)
-    full, full_tasks = results.pop("full")
-    done = [results[index] for index in range(len(pairs))]
-    for row, _, _ in done:
-        row["relative_change"] = relative_change(row["perplexity"], full)
-    return full, full_tasks, done
+        spread = (self.pool.provenance() if self.pool is not None else
+                  {"address": self.settings.address or "local", "workers": 0,
+                   "threads_per_worker": self.settings.threads_per_worker, "workers_replaced": 0,
+                   "worker_processes": 0})
+        return {**self.facts, "ray": spread}
 
 
 def _dead_worker_errors() -> tuple[type[Exception], ...]:
@@ -303,3 +288,8 @@ def _raised_in_worker(exc) -> Exception:
 def _first_line(exc: BaseException) -> str:
     text = str(exc).strip()
     return text.splitlines()[0] if text else type(exc).__name__
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[-1] if text else type(exc).__name__

@@ -75,20 +75,33 @@ class ProfileConfig:
     threads_per_worker: int = 1    # torch threads (and Ray CPUs) per actor
 
     def __post_init__(self):
-        if self.ray is not None:
-            from .distributed import check_ray
-
-            check_ray()
-            check_counts(self, {"ray_workers": 1, "threads_per_worker": 1}, {"ray_workers": "ProfileConfig.ray_workers",
-                                                                          "threads_per_worker": "ProfileConfig.threads_per_worker"})
-            if self.max_memory is not None:
-                raise AllocMoeError("--ray and --max-memory cannot be combined yet; profile a model bigger than "
-                                    "memory in one process (--max-memory), or one that fits on Ray (--ray)")
+        if self.ray is not None and self.max_memory is not None:      # each worker would need its own walk
+            raise AllocMoeError("--ray and --max-memory cannot be combined yet; profile a model bigger than "
+                                "memory in one process (--max-memory), or one that fits on Ray (--ray)")
+        check_ray_fields(self, "ProfileConfig")
         if self.max_memory is not None:
             from .walk import parse_size
 
             self.max_memory = parse_size(self.max_memory)
         check_counts(self, {"seq_len": 2, "max_tokens": 2, "batch_size": 1}, {"max_tokens": "--calib-tokens"})
+
+
+def check_ray_fields(config, owner: str) -> None:
+    """The Ray fields of a ProfileConfig or SweepConfig, before any work: Ray installed when `ray` is
+    given, whole counts >= 1, and the counts only with `ray` (they would do nothing without it)."""
+    if config.ray is None:
+        if config.ray_workers is not None:
+            raise AllocMoeError(f"ray_workers (--ray-workers) is {config.ray_workers!r} but ray (--ray) is not given; "
+                                "add --ray to run on Ray workers, or drop --ray-workers")
+        if config.threads_per_worker != 1:
+            raise AllocMoeError(f"{owner}.threads_per_worker is {config.threads_per_worker!r} but ray (--ray) is not "
+                                "given; set ray to run on Ray workers, or leave threads_per_worker at 1")
+        return
+    from .distributed import check_ray
+
+    check_ray()
+    check_counts(config, {"ray_workers": 1, "threads_per_worker": 1},
+                 {"ray_workers": "--ray-workers", "threads_per_worker": f"{owner}.threads_per_worker"})
 
 
 def layer_configuration(layer: int, k: int, num_layers: int, k_orig: int) -> tuple[int, ...]:
@@ -144,8 +157,9 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     bar = _CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                    disable=not config.progress, work_total=run.planned_passes())
+    arrivals = run.cells(bar)
     try:
-        for cfg, ppl in run.cells(bar):
+        for cfg, ppl in arrivals:
             done[_key(cfg)] = ppl
             if partial_path:
                 atomic_write_json(partial_path, {"key": run_key, "cells": done})
@@ -153,6 +167,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
             if on_cell:
                 on_cell(*configs[cfg][0])
     finally:
+        arrivals.close()                             # its workers stop before Ray does
         bar.close()
         run.release()
         if onloaded is not None:

@@ -5,8 +5,8 @@ from __future__ import annotations
 import sys
 
 from ..errors import AllocMoeError
-from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, check_output_file, check_seq_len, check_text_length,
-                     inspect, load, positive_int)
+from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, add_ray_flags, check_output_file,
+                     check_seq_len, check_text_length, inspect, load, positive_int)
 
 
 def add_parsers(sub) -> None:
@@ -20,8 +20,7 @@ def add_parsers(sub) -> None:
     add_prefix_cache(p)
     p.add_argument("--max-memory", default=None, metavar="SIZE", help="for a model bigger than memory, e.g. 300MiB: "
                    "weights, states and working memory stay under it, the model read layer by layer (see docs/profiling.md)")
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help="fan the cells out on "
-                   "Ray actors (needs allocmoe[ray]): no value starts a local instance, 'auto' joins RAY_ADDRESS's")
+    add_ray_flags(p, "fan the cells out")
     add_quiet(p)
     p.set_defaults(func=cmd_profile)
 
@@ -51,7 +50,7 @@ def cmd_profile(args) -> None:
     text, name = read_text(args.calib_text, "calibration")
     config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
                            progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory,
-                           ray=args.ray)
+                           ray=args.ray, ray_workers=args.ray_workers)
     spec = inspect(args)
     check_text_length(spec.tokenizer(), text, check_seq_len(spec, args.seq_len), args.calib_tokens)
     folder = config.max_memory is not None or config.ray is not None     # loaded by the walk or the workers

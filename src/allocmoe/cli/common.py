@@ -134,6 +134,14 @@ def add_prefix_cache(p) -> None:
                         "the work; for checking)")
 
 
+def add_ray_flags(p, what: str) -> None:
+    """`--ray [ADDRESS]` and `--ray-workers N`: `what` runs on Ray actors that each load the model once."""
+    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help=f"{what} on Ray actors "
+                   "(needs allocmoe[ray]): no value starts a local instance, 'auto' joins RAY_ADDRESS's")
+    p.add_argument("--ray-workers", type=positive_int, default=None, metavar="N", help="with --ray: actors, each "
+                   "holding the model (default: one per CPU of the cluster)")
+
+
 def add_quiet(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars (they go to stderr)")
 

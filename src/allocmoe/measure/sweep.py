@@ -21,9 +21,10 @@ import hashlib
 import platform
 import sys
 import time
+from contextlib import closing
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 import transformers
@@ -38,7 +39,7 @@ from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windo
 from ..core.files import atomic_write_json
 from ..calibrate.methods import METHODS, AllocateConfig, allocate
 from ..core.plan import model_fingerprint
-from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
+from ..calibrate.profile import ProfileConfig, check_ray_fields, load_profile, model_folder, profile_sensitivity
 
 DEFAULT_BUDGETS = ("1/3", "1/2", "2/3", "5/6")
 
@@ -58,14 +59,19 @@ class SweepConfig:
     num_fewshot: int | None = None
     include_path: str | None = None
     ray: str | None = None                          # rows (and the profile) on Ray: 'local', 'auto' or an address
+    ray_workers: int | None = None                  # Ray actors holding the model; None = the cluster's CPUs // threads
+    threads_per_worker: int = 1                     # torch threads (and Ray CPUs) per actor
 
     def __post_init__(self):
-        if self.ray is not None:
-            from ..calibrate.distributed import check_ray
-
-            check_ray()
-            if self.tasks:
-                raise AllocMoeError("--tasks cannot be combined with --ray yet; score tasks without --ray")
+        self.profile = checked_config(ProfileConfig, self.profile)
+        if self.profile.ray is not None:
+            raise AllocMoeError("SweepConfig.profile.ray is set; give ray (and ray_workers, threads_per_worker) on "
+                                "SweepConfig itself: the sweep's Ray settings cover its profile")
+        if self.ray is not None and self.profile.max_memory is not None:
+            raise AllocMoeError("ray cannot be combined with profile.max_memory yet; profile a model bigger than "
+                                "memory in one process (allocmoe profile --max-memory) and pass that profile, or "
+                                "drop max_memory to profile on Ray")
+        check_ray_fields(self, "SweepConfig")
         unknown = [m for m in self.methods if m not in METHODS]
         if unknown:
             raise AllocMoeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
@@ -81,22 +87,22 @@ def environment() -> dict[str, Any]:
 
 def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig | dict | None = None,
           output_dir: str | Path | None = None, profile: dict | None = None,
-          text_names: tuple[str, str] = ("calibration", "test")) -> dict[str, Any]:
+          text_names: tuple[str, str] = ("calibration", "test"),
+          on_row: Callable[[str, float], None] | None = None) -> dict[str, Any]:
     """Run every (budget, method) pair; returns the results dict (and writes files to output_dir).
+    `on_row(method, budget fraction)` is called as each row finishes.
 
-    With `config.ray` the model is given as its folder (a path or ModelSpec; `tokenizer` None takes the
-    folder's): the profile's cells and then the rows run on Ray actors that each load it once
-    (calibrate/distributed.py), to the same table."""
+    `model` is a loaded model or its folder (a path or ModelSpec; `tokenizer` None takes the folder's).
+    With `config.ray` it must be the folder: the profile's cells and then the rows run on Ray actors
+    that each load it once (calibrate/distributed.py), to the same table, in whatever order they
+    finish; the results then say how the rows were spread (`ray`)."""
     config = checked_config(SweepConfig, config)
     started = time.time()
-    spec, ray_started = None, False
-    if config.ray is not None:
-        from ..calibrate.distributed import RaySettings, connect
-        from ..calibrate.profile import model_folder
-
-        spec = model_folder(model, ProfileConfig(ray=config.ray))
+    on_ray, ray_started, pool = config.ray is not None, False, None
+    spec = model_folder(model, ProfileConfig(ray=config.ray))
+    if spec is not None:
         tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
-        model = spec.skeleton()
+        model = spec.skeleton() if on_ray else spec.load()[0]      # on Ray the workers load it
     fingerprint = model_fingerprint(model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     budgets = [Budget.parse(b, num_layers, k_orig) for b in config.budgets]      # fail fast on a bad one
@@ -106,36 +112,45 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
     seq_len = window_len(model, config.seq_len)
     eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
+    pairs = [(budget, method) for budget in budgets for method in config.methods]
+    items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
+    results_of: dict[Any, Any] = {}                     # "full" or a row's index -> its result
     try:
-        if spec is not None:
-            settings = RaySettings(address=config.ray, workers=config.profile.ray_workers,
-                                   threads_per_worker=config.profile.threads_per_worker)
+        if on_ray:
+            from ..calibrate.distributed import RayPool, RaySettings, SweepWorker, connect
+
+            settings = RaySettings(address=config.ray, workers=config.ray_workers,
+                                   threads_per_worker=config.threads_per_worker)
             ray_started, workers = connect(settings)
-        profile = _sweep_profile(spec if spec is not None else model, tokenizer, calib_text, config, seq_len,
+        profile = _sweep_profile(spec if on_ray else model, tokenizer, calib_text, config, seq_len,
                                  output_dir, profile, text_names[0])
         ppl_config = {"batch_size": config.batch_size, "progress": False}
         alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
                                       seq_len=seq_len, batch_size=config.batch_size,
                                       progress=False)      # the sweep's own bar counts the rows
         work = _RowWork(profile, calib_text, alloc_config, eval_windows, ppl_config, config)
-        pairs = [(budget, method) for budget in budgets for method in config.methods]
-        with tqdm(total=len(pairs), desc="sweep", unit="run", disable=not config.progress) as bar:
-            if spec is not None:
-                from ..calibrate.distributed import ray_rows
-
-                full, full_tasks, done = ray_rows(spec, tokenizer, work, pairs, settings, workers, bar)
+        with tqdm(total=len(items) - 1, desc="sweep", unit="run", disable=not config.progress) as bar:
+            if on_ray:
+                pool = RayPool(SweepWorker, spec, work, settings, workers, "rerun the sweep")
+                arrivals = pool.results(items, lambda item, back: None if back else item, bar)
             else:
-                full, full_tasks = work.full(model, tokenizer)
-                done = []
-                for budget, method in pairs:
-                    bar.set_postfix(budget=f"{budget.activations_per_token:g}", method=method)
-                    done.append(work.row(model, tokenizer, budget, method, full))
-                    bar.update(1)
+                arrivals = work.in_order(model, tokenizer, items, bar)
+            with closing(arrivals):                    # its workers stop before Ray does
+                for item, result in arrivals:
+                    results_of[item[0]] = result
+                    if item[0] != "full":
+                        bar.update(1)
+                        if on_row:
+                            on_row(item[2], item[1].fraction)
     finally:
         if ray_started:
             import ray
 
             ray.shutdown()
+    full, full_tasks = results_of.pop("full")
+    done = [results_of[index] for index in range(len(items) - 1)]
+    for row, _, _ in done:
+        row["relative_change"] = relative_change(row["perplexity"], full)
     rows = [row for row, _, _ in done]
     plans = {key: plan for _, key, plan in done}
     results = {
@@ -149,6 +164,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         "rows": rows,
         "environment": environment(),
         "seconds": round(time.time() - started, 1),
+        **({"ray": pool.provenance()} if pool is not None else {}),
     }
     if output_dir:
         from .report import write_report, written_together
@@ -168,7 +184,9 @@ def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_l
     if profile is not None or not needs_profile:
         return profile
     profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len, "batch_size": config.batch_size,
-                                      "progress": config.progress, "ray": config.ray})
+                                      "progress": config.progress, "ray": config.ray,
+                                      "ray_workers": config.ray_workers,
+                                      "threads_per_worker": config.threads_per_worker})
     saved = Path(output_dir) / "profile.json" if output_dir else None
     skeleton = model.skeleton() if hasattr(model, "skeleton") else model
     profile = _finished_profile(saved, skeleton, calib_text, profile_config, calib_name) if saved else None
@@ -207,9 +225,21 @@ class _RowWork:
                  "seq_len": result.seq_len}
         return facts, self.tasks(model, tokenizer) if self.config.tasks else None
 
-    def row(self, model, tokenizer, budget: Budget, method: str, full: dict[str, Any] | None):
-        """(row, plan key, plan dict) of one (budget, method) pair; with `full` None (a Ray worker's row,
-        scored beside the full model's) the driver fills in relative_change with `relative_change`."""
+    def run(self, model, tokenizer, item: tuple):
+        """The result of one item, ("full",) or (index, budget, method): what a Ray worker streams back."""
+        yield self.full(model, tokenizer) if item[0] == "full" else self.row(model, tokenizer, *item[1:])
+
+    def in_order(self, model, tokenizer, items: list[tuple], bar):
+        """(item, result) for every item, one after another in this process."""
+        for item in items:
+            if item[0] != "full":
+                bar.set_postfix(budget=f"{item[1].activations_per_token:g}", method=item[2])
+            for result in self.run(model, tokenizer, item):
+                yield item, result
+
+    def row(self, model, tokenizer, budget: Budget, method: str):
+        """(row, plan key, plan dict) of one (budget, method) pair; the caller fills in relative_change
+        (`relative_change`) once the full model's perplexity is known, wherever each ran."""
         fingerprint = model_fingerprint(model)
         plan = allocate(budget, method, profile=self.profile, model=model, tokenizer=tokenizer,
                         calib_text=self.calib_text, config=self.alloc_config)
@@ -219,7 +249,7 @@ class _RowWork:
             task_scores = self.tasks(model, tokenizer) if self.config.tasks else None
         row = {"method": method, "budget": round(budget.fraction, 6),
                "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
-               "relative_change": relative_change(result.perplexity, full) if full else None,
+               "relative_change": None,
                "activations_per_token": measured,
                "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
         if task_scores is not None:
