@@ -8,9 +8,9 @@ import sys
 import torch
 
 from ..errors import AllocMoeError
-from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_model_flags, add_output, add_quiet, add_task_flags,
-                     check_output_dir, check_output_file, check_seq_len, check_text_length, emit, inspect, load,
-                     non_negative_int, positive_int, task_names)
+from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_model_flags, add_output, add_quiet,
+                     add_ray_flags, add_task_flags, check_output_dir, check_output_file, check_seq_len, check_text_length,
+                     emit, inspect, load, non_negative_int, positive_int, task_names)
 
 
 def add_parsers(sub) -> None:
@@ -42,8 +42,7 @@ def add_parsers(sub) -> None:
     add_output(p, "folder for results (default allocmoe-sweep)", old="--output-dir", default="allocmoe-sweep")
     add_task_flags(p)
     add_prefix_cache(p)
-    p.add_argument("--ray", nargs="?", const="local", default=None, metavar="ADDRESS", help="profile and score the "
-                   "rows on Ray actors (needs allocmoe[ray]): no value starts a local instance, 'auto' joins RAY_ADDRESS's")
+    add_ray_flags(p, "profile and score the rows (and their --tasks)")
     add_quiet(p)
     p.set_defaults(func=cmd_sweep)
 
@@ -132,7 +131,7 @@ def cmd_sweep(args) -> None:
         eval_max_tokens=args.eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
         profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet, prefix_cache=args.prefix_cache),
         tasks=tuple(tasks or ()), task_limit=args.limit, num_fewshot=args.num_fewshot,
-        include_path=args.include_path, progress=not args.quiet, ray=args.ray)
+        include_path=args.include_path, progress=not args.quiet, ray=args.ray, ray_workers=args.ray_workers)
     calib, calib_name = read_text(args.calib_text, "calibration")
     text, text_name = read_text(args.text, "test")
     spec = inspect(args)
