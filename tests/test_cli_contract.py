@@ -79,6 +79,10 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*P, "--calib-text", "builtin:nope", *po], "unknown built-in split 'nope'"),
         Row(["profile", "--model", f("m_trunc"), *po], "truncated or corrupt"),
         Row(["profile", "--model", f("m_badjson"), *po], "is not JSON"),
+        Row([*P, "--ray", "--max-memory", "300MiB", *po], "--ray and --max-memory cannot be combined yet"),
+        Row([*P, "--ray-workers", "2", *po], "ray_workers (--ray-workers) is 2 but ray (--ray) is not given"),
+        Row([*P, "--ray", "--ray-workers", "0", *po], "--ray-workers: must be above 0"),
+        Row([*P, "--ray", "auto", "--ray-workers", "two", *po], "--ray-workers: must be a whole number"),
         # -- allocate: budgets (the tiny model: 3 MoE layers x K=4, full budget 12) -------------------
         Row([*U, "--budget", "nan"], "is not a number"),
         Row([*U, "--budget", "inf"], "is not a number"),
@@ -194,6 +198,8 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row(["sweep", *m, "--output", f("a_file")], "is a file"),
         Row(["sweep", *m, "--output", f("a_file/sweep")], "which is a file"),
         Row(["sweep", "--model", f("m_llama")], "unsupported architecture"),
+        Row([*S, "--ray-workers", "2"], "ray_workers (--ray-workers) is 2 but ray (--ray) is not given"),
+        Row([*S, "--ray", "--ray-workers=-1"], "--ray-workers: must be above 0"),
         # -- compare -----------------------------------------------------------------------------------
         Row(["compare", f("missing.json"), plan], "not found"),
         Row(["compare", notjson, plan], "corrupt or truncated"),
