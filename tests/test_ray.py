@@ -1,8 +1,9 @@
 """Profiling and sweeping on Ray (calibrate/distributed.py): a local Ray instance of two one-thread
 workers gives the single-process table bit for bit, also when a worker is killed mid-run, with every
 cell and row reported once; a killed driver resumes from the partial file; a sweep's lm-eval tasks
-score the same on Ray; `--ray-workers` reaches the configs; Ray fields that cannot work are refused
-before any work; `--ray` without Ray is refused."""
+score the same on Ray; an error in a worker is one line, and workers that keep dying stop the run;
+`--ray-workers` reaches the configs; Ray fields that cannot work are refused before any work; `--ray`
+without Ray is refused."""
 
 import os
 import signal
@@ -126,13 +127,54 @@ def test_a_ray_sweep_scores_lm_eval_tasks_as_the_single_process(tiny_folder, tmp
     pytest.importorskip("lm_eval")
     from allocmoe.models import load_model
 
-    config = {**SWEEP, "budgets": ("1/2",), "methods": ("uniform", "alloc-t"), "tasks": ("allocmoe_cloze",),
+    config = {**SWEEP, "budgets": ("1/2",), "methods": ("uniform",), "tasks": ("allocmoe_cloze",),
               "task_limit": 4}
     model, tok = load_model(tiny_folder)
     single = sweep(model, tok, TEXT, TEXT, config)
-    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**config, "ray": "local", "ray_workers": 2})
+    # one worker: lm-eval's start costs each worker seconds, and spreading is tested above
+    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**config, "ray": "local", "ray_workers": 1})
     assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]
     assert set(on_ray["full"]["tasks"]) == {"allocmoe_cloze"} and all("tasks" in row for row in on_ray["rows"])
+
+
+def test_an_error_in_a_worker_is_one_line_and_workers_that_keep_dying_stop_the_run(tiny_folder, monkeypatch):
+    """The pool both runs share: a worker's own refusal arrives as it was, another error as one line
+    naming it, and a job whose workers keep dying stops after the replacements allowed."""
+    from tqdm import tqdm
+
+    from allocmoe.calibrate import distributed
+    from allocmoe.models import inspect_model
+
+    class Job:                                     # local, so Ray sends it by value
+        def run(self, model, tokenizer, item):
+            if item == "refuse":
+                raise AllocMoeError("this item is refused; give another")
+            if item == "fail":
+                raise ValueError("first line\nsecond line")
+            os._exit(1)                            # the worker process dies
+            yield
+
+    spec, settings = inspect_model(tiny_folder), distributed.RaySettings(workers=1)
+    started, _ = distributed.connect(settings)
+    monkeypatch.setattr(distributed, "MAX_REPLACEMENTS", 1)
+    try:
+        def run(item):
+            pool = distributed.RayPool(distributed.SweepWorker, spec, Job(), settings, 1, "rerun it")
+            list(pool.results([item], lambda item, back: item, tqdm(disable=True)))
+
+        with pytest.raises(AllocMoeError) as refused:
+            run("refuse")
+        assert str(refused.value) == "this item is refused; give another"
+        with pytest.raises(RuntimeError) as failed:
+            run("fail")
+        assert str(failed.value) == "a Ray worker failed (ValueError: first line)"
+        with pytest.raises(AllocMoeError) as dying:        # replaced once, then it dies again
+            run("die")
+        assert str(dying.value).startswith("Ray workers keep dying (2 replaced; last: ")
+        assert str(dying.value).endswith("); rerun it") and "\n" not in str(dying.value)
+    finally:
+        if started:
+            ray.shutdown()
 
 
 def test_ray_refuses_a_loaded_model_and_max_memory(tiny_folder):

@@ -161,11 +161,11 @@ class RayPool:
     def _replace(self, actor, exc: Exception) -> None:
         import ray
 
+        ray.kill(actor)                                  # what is left of it: a crashed worker may linger
         self.replaced += 1
         if self.replaced > MAX_REPLACEMENTS * self.workers:
             raise AllocMoeError(f"Ray workers keep dying ({self.replaced} replaced; last: {_last_line(exc)}); "
                                 f"{self.rerun_hint}") from None
-        ray.kill(actor)
 
     def provenance(self) -> dict[str, Any]:
         """How the work was spread: address, workers, threads each, workers replaced, processes that worked."""
