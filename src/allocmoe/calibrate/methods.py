@@ -8,7 +8,13 @@
   lexi        data-free: output deviation of each layer alone on Gaussian inputs, same exact DP
   top-p       one global p calibrated so measured activations match B on calibration text
   naee        per-layer beta_l calibrated so each layer spends B/L on calibration text
-  auto        tries alloc-moe, alloc-l and alloc-t (k_base 0..2) on calibration text, keeps the best
+  auto        tries alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute,
+              on calibration text, keeps the best, then refines it (the default method)
+
+Two add-ons work with any budget-exact method, and `auto` uses both by default (docs/quality.md):
+  substitute  each skipped candidate expert adds gate x its calibrated mean output (MoNE; the means
+              are measured on the unmodified model and saved beside the plan: calibrate/means.py)
+  refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py)
 
 Profile-based methods (alloc-moe, alloc-l) are pure given the profile; the rest of the budget-exact
 methods need only the model's fingerprint. Threshold methods match B only on average over the
@@ -19,7 +25,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, MutableMapping
 
 import torch
 from tqdm import tqdm
@@ -48,12 +54,24 @@ class AllocateConfig:
     lexi_samples: int = 512         # Gaussian inputs per layer for LExI's deviation profile
     seed: int = 0                   # LExI's input seed
     progress: bool = True           # progress bar (stderr) for the methods that run the model: lexi, top-p, naee, auto
+    substitute: bool | None = None  # add skipped experts' calibrated means back; None: auto tries both, others don't
+    refine: int | None = None       # calibration passes for the joint refinement; None: AUTO_REFINE for auto, else 0
 
     def __post_init__(self):
         if self.pool not in ("batch", "sequence"):
             raise AllocMoeError(f"pool must be 'batch' or 'sequence', got {self.pool!r}")
         if not isinstance(self.k_base, int) or self.k_base < 0:
             raise AllocMoeError(f"k-base must be a whole number >= 0, got {self.k_base!r}")
+        if self.refine is not None and (not isinstance(self.refine, int) or isinstance(self.refine, bool)
+                                        or self.refine < 0):
+            raise AllocMoeError(f"refine must be a whole number of calibration passes >= 0 (0 = off), got "
+                                f"{self.refine!r}")
+        if self.substitute not in (None, True, False):
+            raise AllocMoeError(f"substitute must be true, false or unset (auto decides), got {self.substitute!r}")
+
+
+AUTO_REFINE = 128        # auto's default bound on refinement passes: 4 rounds of every move on a 6-layer model
+ADDON_METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "descending", "lexi")
 
 
 # -- budget-only allocations ---------------------------------------------------------------------
@@ -200,10 +218,11 @@ def calibrate_naee(table: torch.Tensor, target: float) -> tuple[float, float]:
 # -- the entry point -----------------------------------------------------------------------------
 def allocate(budget: str | float | Budget | None = None, method: str = "auto", *, profile: dict | None = None,
              model=None, tokenizer=None, calib_text: str | None = None, config: AllocateConfig | dict | None = None,
-             target_ppl: str | float | None = None) -> Plan:
+             target_ppl: str | float | None = None, refine_memo: MutableMapping[str, float] | None = None) -> Plan:
     """Make a plan for `budget` (fraction "0.5", count "78", or a Budget) with `method`; or, with
     `target_ppl` ("5%" above the full model, or a perplexity) instead of a budget, the plan of the
-    smallest budget that meets it on calibration text (calibrate/target.py; needs the model and text)."""
+    smallest budget that meets it on calibration text (calibrate/target.py; needs the model and text).
+    `refine_memo` keeps the refinement's scored allocations (persist it to resume an interrupted run)."""
     config = checked_config(AllocateConfig, config)
     if (budget is None) == (target_ppl is None):
         said = "both a budget and a perplexity target were given" if budget is not None else "no budget was given"
@@ -214,8 +233,61 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
         raise AllocMoeError(f"method {method!r} needs a sensitivity profile: run `allocmoe profile` and pass --profile")
     if method in MODEL_METHODS and model is None:
         raise AllocMoeError(f"method {method!r} needs the model")
+    substitute, refine = addons(method, config)
+    if (substitute or refine) and method not in ADDON_METHODS:
+        raise AllocMoeError(f"method {method!r} cannot take the substitute or the refinement (they need a "
+                            f"budget-exact top-k allocation); use one of {', '.join(ADDON_METHODS)}")
+    if (substitute or refine) and (model is None or tokenizer is None or calib_text is None):
+        raise AllocMoeError(f"method {method!r} with the substitute or the refinement needs the model, its tokenizer "
+                            "and calibration text (model=, tokenizer=, calib_text=); or turn them off "
+                            "(--no-substitute --refine 0)")
     if target_ppl is not None:      # after the method's own checks: the search scores a calibration pass first
         return _allocate_for_target(target_ppl, method, profile, model, tokenizer, calib_text, config)
+    if method == "auto":
+        fingerprint = _fingerprint(profile, model)
+        if not isinstance(budget, Budget):
+            budget = Budget.parse(budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+        return _auto(budget, profile, model, _calibration_windows(model, tokenizer, calib_text, config), config,
+                     refine_memo)
+    plan = _allocate_plain(budget, method, profile, model, tokenizer, calib_text, config)
+    if not (substitute or refine):
+        return plan
+    windows = _calibration_windows(model, tokenizer, calib_text, config)
+    if substitute:
+        plan.means = _measure_means(model, windows, config)
+    return _refined(plan, model, windows, config, refine, refine_memo) if refine else plan
+
+
+def addons(method: str, config: AllocateConfig) -> tuple[bool, int]:
+    """(substitute on, refinement passes) as `method` runs them under `config`."""
+    if method == "auto":
+        return config.substitute is not False, AUTO_REFINE if config.refine is None else config.refine
+    return bool(config.substitute), config.refine or 0
+
+
+def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
+    with apply_plan(model, plan):
+        return evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False},
+                                   windows=windows).perplexity
+
+
+def _measure_means(model, windows, config: AllocateConfig):
+    from .means import measure_expert_means
+
+    return measure_expert_means(model, windows, config.batch_size, progress=config.progress)
+
+
+def _refined(plan: Plan, model, windows, config: AllocateConfig, passes: int, memo) -> Plan:
+    from .refine import refine_allocation
+
+    refined, done = refine_allocation(plan, lambda p: _calib_ppl(model, p, windows, config), passes,
+                                      config.k_base, memo=memo, progress=config.progress)
+    refined.provenance = {**plan.provenance, "details": {**plan.provenance.get("details", {}), "refine": done}}
+    return refined
+
+
+def _allocate_plain(budget, method: str, profile, model, tokenizer, calib_text, config: AllocateConfig) -> Plan:
+    """The method's own plan, without add-ons."""
     fingerprint = _fingerprint(profile, model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     if not isinstance(budget, Budget):
@@ -252,7 +324,7 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
             beta, measured = calibrate_naee(tables[index], budget.per_layer)
             policies.append(NaeeSkip(beta=round(beta, 6), k=round(measured, 4)))
         return _plan(fingerprint, policies, method, budget)
-    return _auto(budget, profile, model, windows, config)
+    raise AssertionError(method)
 
 
 def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, calib_text,
@@ -297,26 +369,38 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
     return plan
 
 
-def _auto(budget: Budget, profile, model, windows, config: AllocateConfig) -> Plan:
-    """Try alloc-moe, alloc-l and alloc-t (k_base 0..2) on calibration windows; keep the best."""
+def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refine_memo=None) -> Plan:
+    """Try alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute, on
+    calibration windows; keep the best, then refine it."""
+    substitute, refine = addons("auto", config)
     candidates = [("alloc-l", None)]
     for k_base in sorted({0, 1, 2, config.k_base}):
         if k_base <= budget.per_layer:
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
+    means = _measure_means(model, windows, config) if substitute else None
+    modes = [False, True] if substitute and config.substitute is None else [bool(substitute)]
     trials = []
-    with tqdm(candidates, desc="auto", unit="trial", disable=not config.progress) as bar:
-        for method, k_base in bar:
-            bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else ""))
+    with tqdm(total=len(candidates) * len(modes), desc="auto", unit="trial", disable=not config.progress) as bar:
+        for method, k_base in candidates:
             trial_k_base = config.k_base if k_base is None else k_base
-            trial_config = AllocateConfig(**{**asdict(config), "k_base": trial_k_base})
-            plan = allocate(budget, method, profile=profile, model=model, config=trial_config)
-            with apply_plan(model, plan):
-                ppl = evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False},
-                                          windows=windows).perplexity
-            trials.append({"method": method, "k_base": k_base, "calibration_perplexity": round(ppl, 6), "plan": plan})
+            trial_config = AllocateConfig(**{**asdict(config), "k_base": trial_k_base, "substitute": False, "refine": 0})
+            for with_means in modes:
+                bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else "")
+                                    + (" +substitute" if with_means else ""))
+                plan = allocate(budget, method, profile=profile, model=model, config=trial_config)
+                plan.means = means if with_means else None
+                ppl = _calib_ppl(model, plan, windows, config)
+                trials.append({"method": method, "k_base": k_base, "substitute": with_means,
+                               "calibration_perplexity": round(ppl, 6), "plan": plan})
+                bar.update(1)
     best = min(trials, key=lambda t: t["calibration_perplexity"])
     plan = best["plan"]
     plan.method = "auto"
-    plan.provenance = {"details": {"chosen": {"method": best["method"], "k_base": best["k_base"]},
+    plan.provenance = {"details": {"chosen": {"method": best["method"], "k_base": best["k_base"],
+                                              "substitute": best["substitute"]},
                                    "trials": [{k: v for k, v in t.items() if k != "plan"} for t in trials]}}
+    if refine:
+        chosen_config = AllocateConfig(**{**asdict(config), "k_base": config.k_base if best["k_base"] is None
+                                          else best["k_base"]})
+        plan = _refined(plan, model, windows, chosen_config, refine, refine_memo)
     return plan

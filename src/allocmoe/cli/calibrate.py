@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import argparse
 import sys
 
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, add_ray_flags, check_output_file,
-                     check_seq_len, check_text_length, inspect, load, positive_int)
+                     check_seq_len, check_text_length, inspect, load, non_negative_int, positive_int)
 
 
 def add_parsers(sub) -> None:
@@ -35,6 +36,13 @@ def add_parsers(sub) -> None:
     p.add_argument("--method", default="auto", choices=METHODS, help="allocation method (default: auto)")
     p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T: experts every token keeps (default 1)")
     p.add_argument("--pool", default="batch", choices=("batch", "sequence"), help="Alloc-T pool extent")
+    p.add_argument("--substitute", action=argparse.BooleanOptionalAction, default=None,
+                   help="add each skipped expert's calibrated mean output back (saved beside the plan as "
+                        "<name>.means.safetensors; allocmoe serve/generate/eval run it, vLLM and export do not); "
+                        "default: auto tries with and without, other methods without")
+    p.add_argument("--refine", type=non_negative_int, default=None, metavar="PASSES",
+                   help="refine the allocation with at most this many calibration passes, resumable (0 = off; "
+                        "default: 128 for auto, 0 for the other methods)")
     add_calib_tokens(p, 8192)
     p.add_argument("--output", required=True, help="plan JSON to write")
     add_prefix_cache(p)
@@ -63,7 +71,8 @@ def cmd_allocate(args) -> None:
     """Everything is checked before the weights load (the profile against the model's layout, even when
     the method never loads them; the budget; the calibration text), then the weights load only for the
     methods that run the model (or to profile first)."""
-    from ..calibrate.methods import MODEL_METHODS, PROFILE_METHODS, AllocateConfig, allocate
+    from ..calibrate.methods import ADDON_METHODS, MODEL_METHODS, PROFILE_METHODS, AllocateConfig, addons, allocate
+    from ..calibrate.refine import SavedScores
     from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
     from ..core.budget import Budget
     from ..texts import read_text
@@ -77,7 +86,12 @@ def cmd_allocate(args) -> None:
     if args.target_ppl is not None:
         parse_target(args.target_ppl, 1.0)           # its form, before any work; its value needs the model
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
-                            seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet)
+                            seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet,
+                            substitute=args.substitute, refine=args.refine)
+    substitute, refine = addons(args.method, config)
+    if (substitute or refine) and args.method not in ADDON_METHODS:
+        raise AllocMoeError(f"--method {args.method} cannot take --substitute or --refine (they need a budget-exact "
+                            f"top-k allocation); use one of {', '.join(ADDON_METHODS)}, or drop those flags")
     spec = inspect(args)
     skeleton = spec.skeleton()
     profile = load_profile(args.profile, skeleton) if args.profile else None
@@ -86,23 +100,31 @@ def cmd_allocate(args) -> None:
         Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
     seq_len = check_seq_len(spec, args.seq_len)
     profiles_first = profile is None and args.method in PROFILE_METHODS + ("auto",)
-    calibrates = profiles_first or args.method in ("top-p", "naee", "auto") or args.target_ppl is not None
+    calibrates = (profiles_first or args.method in ("top-p", "naee", "auto") or args.target_ppl is not None
+                  or substitute or refine)
     text = name = None
     if calibrates or args.calib_text is not None:
         text, name = read_text(args.calib_text, "calibration")
     if calibrates:
         check_text_length(spec.tokenizer(), text, seq_len, args.calib_tokens)
     model, tok = skeleton, None
-    if profiles_first or args.method in MODEL_METHODS or args.target_ppl is not None:
+    if profiles_first or args.method in MODEL_METHODS or args.target_ppl is not None or calibrates:
         model, tok = load(args, spec)
     if profiles_first:
         print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
         profile = profile_sensitivity(model, tok, text, ProfileConfig(
             seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
             progress=not args.quiet, prefix_cache=args.prefix_cache), calib_name=name)
+    memo = SavedScores(f"{args.output}.refine.partial.json", {
+        "model": fingerprint, "method": args.method, "budget": args.budget, "k_base": args.k_base, "pool": args.pool,
+        "substitute": args.substitute, "calibration": name, "calib_tokens": args.calib_tokens, "seq_len": seq_len,
+        "profile": profile["sensitivity"] if profile else None}) if refine and args.target_ppl is None else None
     plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok,
-                    calib_text=text if calibrates else None, config=config, target_ppl=args.target_ppl)
+                    calib_text=text if calibrates else None, config=config, target_ppl=args.target_ppl,
+                    refine_memo=memo)
     plan.save(args.output)
+    if memo is not None:
+        memo.finish()
     ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
     print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",
           file=sys.stderr)

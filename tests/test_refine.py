@@ -1,0 +1,170 @@
+"""The joint refinement and the allocate add-ons: the budget never moves, calibration never gets worse,
+the search ends where no single move helps (checked by brute force), and an interrupted run resumes."""
+
+from __future__ import annotations
+
+import itertools
+import json
+
+import pytest
+import torch
+
+from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, allocate, apply_plan, evaluate_perplexity, load_model, read_text
+from allocmoe.calibrate.refine import SavedScores, refine_allocation
+from allocmoe.cli import main
+
+LAYERS, K_ORIG = [1, 2, 3, 4], 4
+
+
+def made_up_plan(ks, policy=StaticTopK):
+    fp = {"model_type": "olmoe", "num_moe_layers": len(LAYERS), "num_experts": 8, "k_orig": K_ORIG,
+          "moe_layers": LAYERS}
+    layers = {i: policy(k) if policy is StaticTopK else AllocT(k=k, k_base=1) for i, k in zip(LAYERS, ks)}
+    return Plan(model=fp, layers=layers, method="test", budget=float(sum(ks)))
+
+
+def made_up_ppl(plan: Plan) -> float:
+    """Separable costs plus an interaction between layers 2 and 3 (which the profile cannot see)."""
+    k = {i: p.k for i, p in plan.layers.items()}
+    cost = {1: 9.0, 2: 4.0, 3: 1.0, 4: 6.0}
+    return 100 + sum(cost[i] / k[i] for i in k) + 5.0 / (k[2] * k[3])
+
+
+@pytest.mark.parametrize("start", [[1, 1, 4, 4], [4, 1, 1, 4], [2, 2, 2, 2], [3, 3, 1, 1]])
+@pytest.mark.parametrize("policy", [StaticTopK, AllocT])
+def test_refinement_keeps_the_budget_improves_and_stops_where_no_move_helps(start, policy):
+    plan = made_up_plan(start, policy)
+    refined, done = refine_allocation(plan, made_up_ppl, max_evaluations=1000)
+    ks = {i: p.k for i, p in refined.layers.items()}
+    assert sum(ks.values()) == sum(start) and refined.budget == plan.budget
+    assert all(1 <= k <= K_ORIG for k in ks.values()) and type(refined.layers[1]) is policy
+    assert made_up_ppl(refined) <= made_up_ppl(plan)
+    assert done["calibration_perplexity"] == pytest.approx(made_up_ppl(refined), abs=1e-6)
+    for a, b in itertools.permutations(LAYERS, 2):            # brute force: no single move helps any more
+        if ks[a] > 1 and ks[b] < K_ORIG:
+            moved = made_up_plan([ks[i] - (i == a) + (i == b) for i in LAYERS], policy)
+            assert made_up_ppl(moved) >= made_up_ppl(refined)
+
+
+def test_the_evaluation_bound_is_kept_and_a_bound_of_one_returns_the_start():
+    plan = made_up_plan([1, 1, 4, 4])
+    calls = []
+    refined, done = refine_allocation(plan, lambda p: calls.append(p) or made_up_ppl(p), max_evaluations=7)
+    assert len(calls) == done["evaluations"] == 7 and made_up_ppl(refined) < made_up_ppl(plan)
+    same, _ = refine_allocation(plan, made_up_ppl, max_evaluations=1)
+    assert {i: p.k for i, p in same.layers.items()} == {i: p.k for i, p in plan.layers.items()}
+
+
+def test_an_interrupted_refinement_resumes_from_its_saved_scores_to_the_same_plan(tmp_path):
+    plan = made_up_plan([4, 1, 1, 4])
+    whole, _ = refine_allocation(plan, made_up_ppl, max_evaluations=40)
+    key = {"run": 1}
+    calls = []
+
+    def dies_after_ten(p):
+        if len(calls) == 10:
+            raise KeyboardInterrupt
+        calls.append(p)
+        return made_up_ppl(p)
+
+    with pytest.raises(KeyboardInterrupt):
+        refine_allocation(plan, dies_after_ten, 40, memo=SavedScores(tmp_path / "r.json", key))
+    assert len(json.loads((tmp_path / "r.json").read_text())["scores"]) == 10
+    rescored = []
+    resumed, done = refine_allocation(plan, lambda p: rescored.append(p) or made_up_ppl(p), 40,
+                                      memo=SavedScores(tmp_path / "r.json", key))
+    assert {i: p.k for i, p in resumed.layers.items()} == {i: p.k for i, p in whole.layers.items()}
+    assert len(rescored) == done["evaluations"] - 10            # the ten saved scores were not redone
+    assert len(SavedScores(tmp_path / "r.json", {"run": 2})) == 0   # another run's scores are not reused
+
+
+def test_a_plan_with_other_policies_is_refused():
+    from allocmoe import TopP
+
+    plan = made_up_plan([2, 2, 2, 2])
+    plan.layers[1] = TopP(p=0.5)
+    with pytest.raises(AllocMoeError, match="refinement moves activations"):
+        refine_allocation(plan, made_up_ppl, 10)
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    from conftest import build_tiny
+
+    _, tok = load_model(tiny_folder)
+    model = build_tiny("qwen3_moe", vocab_size=len(tok), max_position_embeddings=256)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.mul_(8)
+    text, _ = read_text(None, "calibration")
+    return model, tok, text[:20000]
+
+
+def calib_ppl(model, tok, text, plan):
+    with apply_plan(model, plan) as handle:
+        ppl = evaluate_perplexity(model, tok, text, {"seq_len": 64, "max_tokens": 512, "progress": False}).perplexity
+        return ppl, handle.activations_per_token()
+
+
+def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_score_worse(tiny):
+    model, tok, text = tiny
+    config = {"seq_len": 64, "calib_max_tokens": 512, "batch_size": 4, "progress": False}
+    plain = allocate(5, "uniform", model=model, config=config)
+    plan = allocate(5, "uniform", model=model, tokenizer=tok, calib_text=text,
+                    config={**config, "substitute": True, "refine": 12})
+    assert plan.means is not None and set(plan.means.means) == set(plan.layers)
+    ppl, spent = calib_ppl(model, tok, text, plan)
+    start = made = plan.provenance["details"]["refine"]
+    assert spent == pytest.approx(5.0) and sum(p.k for p in plan.layers.values()) == 5
+    assert made["calibration_perplexity"] == pytest.approx(ppl, rel=1e-6)
+    assert made["calibration_perplexity"] <= start["start_calibration_perplexity"]
+    plain_with_means = allocate(5, "uniform", model=model, config=config)
+    plain_with_means.means = plan.means
+    assert start["start_calibration_perplexity"] == pytest.approx(calib_ppl(model, tok, text, plain_with_means)[0])
+    assert calib_ppl(model, tok, text, plain)[0] != pytest.approx(start["start_calibration_perplexity"])
+
+
+def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(tiny):
+    model, tok, text = tiny
+    from allocmoe.calibrate.profile import profile_sensitivity
+
+    profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "max_tokens": 512, "progress": False})
+    config = {"seq_len": 64, "calib_max_tokens": 512, "batch_size": 4, "progress": False, "refine": 8}
+    plan = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text, config=config)
+    details = plan.provenance["details"]
+    trials = details["trials"]
+    assert {t["substitute"] for t in trials} == {True, False}
+    best = min(t["calibration_perplexity"] for t in trials)
+    assert details["refine"]["start_calibration_perplexity"] == pytest.approx(best)
+    assert (plan.means is not None) == details["chosen"]["substitute"]
+    assert calib_ppl(model, tok, text, plan)[0] == pytest.approx(details["refine"]["calibration_perplexity"], rel=1e-6)
+    off = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
+                   config={**config, "substitute": False, "refine": 0})
+    assert off.means is None and "refine" not in off.provenance["details"]
+    assert {t["substitute"] for t in off.provenance["details"]["trials"]} == {False}
+
+
+def test_the_cli_writes_plan_and_means_and_leaves_no_partial_file(tiny_folder, tmp_path, capsys):
+    out = tmp_path / "half.json"
+    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
+          "--refine", "6", "--seq-len", "64", "--calib-tokens", "512", "--output", str(out), "--quiet"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["half.json", "half.means.safetensors"]
+    plan = Plan.load(out)
+    assert plan.means is not None and plan.provenance["details"]["refine"]["evaluations"] <= 6
+    main(["eval", "--model", str(tiny_folder), "--plan", str(out), "--seq-len", "64", "--eval-tokens", "256",
+          "--quiet"])
+    assert "perplexity" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "top-p", "--substitute"], "--method top-p cannot take --substitute or --refine"),
+    (["--method", "naee", "--refine", "4"], "--method naee cannot take --substitute or --refine"),
+    (["--method", "uniform", "--refine", "-1"], "--refine"),
+])
+def test_add_ons_on_methods_that_cannot_take_them_are_refused(tiny_folder, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["allocate", "--model", str(tiny_folder), "--budget", "0.5", "--output", str(tmp_path / "p.json"),
+              *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
