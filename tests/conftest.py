@@ -62,6 +62,21 @@ def ids():
     return torch.randint(0, COMMON["vocab_size"], (2, 12))
 
 
+def budget_sensitive_tiny(tiny_folder, model_type: str):
+    """(model, tokenizer, calibration text): a tiny model of `model_type` with the tiny folder's
+    tokenizer and its experts scaled up 8x, so the budget moves its perplexity."""
+    from allocmoe import load_model, read_text
+
+    _, tok = load_model(tiny_folder)
+    model = build_tiny(model_type, vocab_size=len(tok), max_position_embeddings=256)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if ".experts." in name:
+                param.mul_(8)
+    text, _ = read_text(None, "calibration")
+    return model, tok, text[:20000]
+
+
 def train_tiny_tokenizer(folder, vocab_size: int = 300):
     """A byte-level BPE trained in a second on the built-in calibration text."""
     from tokenizers import ByteLevelBPETokenizer

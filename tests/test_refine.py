@@ -7,9 +7,8 @@ import itertools
 import json
 
 import pytest
-import torch
 
-from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, allocate, apply_plan, evaluate_perplexity, load_model, read_text
+from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, allocate, apply_plan, evaluate_perplexity
 from allocmoe.calibrate.refine import SavedScores, refine_allocation
 from allocmoe.cli import main
 
@@ -89,16 +88,9 @@ def test_a_plan_with_other_policies_is_refused():
 
 @pytest.fixture(scope="module")
 def tiny(tiny_folder):
-    from conftest import build_tiny
+    from conftest import budget_sensitive_tiny
 
-    _, tok = load_model(tiny_folder)
-    model = build_tiny("qwen3_moe", vocab_size=len(tok), max_position_embeddings=256)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".experts." in name:
-                param.mul_(8)
-    text, _ = read_text(None, "calibration")
-    return model, tok, text[:20000]
+    return budget_sensitive_tiny(tiny_folder, "qwen3_moe")
 
 
 def calib_ppl(model, tok, text, plan):

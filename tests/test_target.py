@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity, load_model, read_text
+from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity
 from allocmoe.calibrate.target import parse_target, smallest_budget
 from allocmoe.cli import main
 
@@ -43,18 +43,9 @@ def test_targets_are_parsed_and_refused_clearly():
 @pytest.fixture(scope="module")
 def tiny(tiny_folder):
     """An OLMoE-style tiny model whose experts are scaled up, so the budget moves its perplexity."""
-    import torch
+    from conftest import budget_sensitive_tiny
 
-    from conftest import build_tiny
-
-    _, tok = load_model(tiny_folder)
-    model = build_tiny("olmoe", vocab_size=len(tok), max_position_embeddings=256)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if ".experts." in name:
-                param.mul_(8)
-    text, _ = read_text(None, "calibration")
-    return model, tok, text[:20000]
+    return budget_sensitive_tiny(tiny_folder, "olmoe")
 
 
 def test_on_a_tiny_model_the_answer_is_checked_against_every_budget_scored_alone(tiny):
