@@ -1,0 +1,91 @@
+"""The 12-cell quality comparison: every method at every default budget, on three model families.
+
+Runs `allocmoe sweep` (all methods, budgets 1/3, 1/2, 2/3, 5/6; profile and every choice on the
+built-in calibration split, perplexity on the built-in test split) on
+  builtin     the built-in model (DeepSeek-V2 style: shared experts, no top-k renormalisation)
+  qwen3_moe   examples/models/qwen3_moe (renormalised top-k, norm_topk_prob=true)
+  olmoe       examples/models/olmoe (no renormalisation)
+then prints, per cell, the share of uniform top-k's perplexity increase each method keeps,
+(ppl - ppl_full) / (ppl_uniform - ppl_full), and which method won. A model whose sweep folder
+already holds results.json is not rerun (delete the folder to rerun it).
+
+    python benchmarks/quality_cells.py [--models builtin,qwen3_moe,olmoe] [--root runs/quality]
+           [--output docs/quality/cells.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import allocmoe
+from machine import cpu_name
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"builtin": None, "qwen3_moe": ROOT / "examples" / "models" / "qwen3_moe",
+          "olmoe": ROOT / "examples" / "models" / "olmoe"}
+DEFAULT = "auto"          # the default method of `allocmoe allocate`
+
+
+def run_sweep(name: str, folder: Path, threads: int) -> dict:
+    done = folder / "results.json"
+    if done.exists():
+        return json.loads(done.read_text())
+    torch.set_num_threads(threads)
+    model, tok = allocmoe.load_model(MODELS[name])
+    calib, _ = allocmoe.read_text(None, "calibration")
+    test, _ = allocmoe.read_text(None, "test")
+    return allocmoe.sweep(model, tok, calib, test, {"progress": True}, output_dir=folder)
+
+
+def cells(results: dict) -> list[dict]:
+    full = results["full"]["perplexity"]
+    by_budget: dict[float, dict[str, float]] = {}
+    for row in results["rows"]:
+        by_budget.setdefault(row["budget"], {})[row["method"]] = row["perplexity"]
+    out = []
+    for budget, ppl in sorted(by_budget.items()):
+        uniform = ppl["uniform"]
+        share = {m: (p - full) / (uniform - full) for m, p in ppl.items()}
+        winner = min(ppl, key=ppl.get)
+        out.append({"budget": budget, "full": full, "uniform": uniform, "perplexity": ppl, "share": share,
+                    "winner": winner, "default_wins": ppl[DEFAULT] <= min(ppl.values())})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default=",".join(MODELS))
+    parser.add_argument("--root", type=Path, default=ROOT / "runs" / "quality", help="sweep folders go here")
+    parser.add_argument("--threads", type=int, default=2, help="torch threads for the sweeps")
+    parser.add_argument("--output", type=Path, default=None, help="also write the cells as JSON")
+    args = parser.parse_args()
+    summary = {"machine": cpu_name(), "models": {}}
+    for name in args.models.split(","):
+        started = time.time()
+        results = run_sweep(name, args.root / name, args.threads)
+        rows = cells(results)
+        summary["models"][name] = {"cells": rows, "calibration_tokens": results["calibration"].get("tokens_scored"),
+                                   "test_tokens": results["evaluation"]["tokens"],
+                                   "sweep_seconds": results.get("seconds"), "environment": results["environment"]}
+        print(f"\n## {name}: full {rows[0]['full']:.2f}; calibration {results['calibration'].get('tokens_scored')} "
+              f"tokens, test {results['evaluation']['tokens']} tokens; sweep {results.get('seconds')} s "
+              f"({time.time() - started:.0f} s here)")
+        methods = sorted(rows[0]["perplexity"], key=lambda m: (m != DEFAULT, m))
+        print("| budget | uniform | " + " | ".join(methods) + " | winner |")
+        print("|---|---|" + "---|" * len(methods) + "---|")
+        for cell in rows:
+            shown = [f"{cell['perplexity'][m]:.2f} ({cell['share'][m]:.3f})" for m in methods]
+            print(f"| {cell['budget']:.3f} | {cell['uniform']:.2f} | " + " | ".join(shown) + f" | {cell['winner']} |")
+    won = [c["default_wins"] for m in summary["models"].values() for c in m["cells"]]
+    print(f"\n{DEFAULT} (the default) is best in {sum(won)} of {len(won)} cells; machine: {summary['machine']}")
+    if args.output:
+        args.output.write_text(json.dumps(summary, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
