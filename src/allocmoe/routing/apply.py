@@ -301,7 +301,8 @@ def _experts_forward(experts: nn.Module, pending: dict):
     return forward
 
 
-def _layer_means(plan: Plan, index: int) -> torch.Tensor | None:
+def _layer_means(plan: Plan, layer: MoELayer) -> torch.Tensor | None:
+    """The plan's means [E, H] for `layer`, on the layer's device (so a pass moves nothing), or None."""
     if plan.means is None:
         if plan.substitute:
             raise AllocMoeError("the plan adds back skipped experts' means but they were not loaded (a plan built "
@@ -310,7 +311,9 @@ def _layer_means(plan: Plan, index: int) -> torch.Tensor | None:
     if any(isinstance(policy, DistinctExperts) for policy in plan.layers.values()):
         raise AllocMoeError("a distinct-expert plan cannot carry a substitute (its steps choose experts outside a "
                             "token's own top-K); make the plan without --substitute")
-    return plan.means.means[index]
+    means = plan.means.means[layer.index]
+    device = next((p.device for p in layer.experts.parameters() if p.device.type != "meta"), means.device)
+    return means.to(device)
 
 
 class PlanHandle:
@@ -338,7 +341,7 @@ class PlanHandle:
         plan.check_model(self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
-        added = {layer.index: _layer_means(plan, layer.index) for layer in self._layers}
+        added = {layer.index: _layer_means(plan, layer) for layer in self._layers}
         for layer in self._layers:
             self._policies[layer.index].append(plan.layers[layer.index])
             self._means[layer.index].append(added[layer.index])
@@ -448,7 +451,7 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
     for layer in layers:
         for policy in policies[layer.index]:
             policy.check(k_orig)
-    means = {layer.index: [_layer_means(plan, layer.index) for plan in plans] for layer in layers}
+    means = {layer.index: [_layer_means(plan, layer) for plan in plans] for layer in layers}
     for layer in layers:
         pending: dict = {}          # the layer's substitute, handed from its router to its experts in a pass
         _set_forward(layer.router, _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
