@@ -48,6 +48,7 @@ def cases(root: Path, model: Path) -> list[Row]:
     po = ["--output", f("p.json")]
     A = ["allocate", *m, "--output", f("p.json")]
     U = [*A, "--method", "uniform"]
+    D = [*A, "--max-distinct-experts"]
     E = ["eval", *m]
     S = ["sweep", *m, "--output", f("sweep"), "--eval-tokens", "64", "--calib-tokens", "64", "--seq-len", "32"]
     B = ["bench", *m, "--input-len", "16", "--output-len", "4"]
@@ -125,6 +126,30 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*A, "--budget", "0.5", "--method", "alloc-l", "--seq-len", "300"], "outside this model's context"),
         Row([*A, "--budget", "0.5", "--method", "alloc-l", "--calib-text", f("short.txt")], "too short"),
         Row([*A, "--budget", "0.5", "--method", "alloc-l", "--calib-text", f("a_dir")], "is a folder"),
+        # -- allocate: a latency budget (distinct experts per decode step; 8 experts, K=4) ---------------
+        Row([*D, "abc"], "--max-distinct-experts 'abc' is not a number"),
+        Row([*D, "nan"], "is not a number"),
+        Row([*D, "0"], "must be positive"),
+        Row([*D, "150%"], "is a fraction above 1"),
+        Row([*D, "9"], "more than this model's 8 experts per layer"),
+        Row([*D, "0.05"], "less than one distinct expert per layer"),
+        Row([*D, "0.5", "--budget", "0.5"], "both --budget and --max-distinct-experts were given"),
+        Row([*D, "0.5", "--target-ppl", "5%"], "both --target-ppl and --max-distinct-experts were given"),
+        Row([*D, "0.5", "--method", "alloc-l"], "--method does not apply with --max-distinct-experts"),
+        Row([*D, "0.5", "--profile", other_profile], "--profile does not apply with --max-distinct-experts"),
+        Row([*D, "0.5", "--k-base", "2"], "--k-base does not apply"),
+        Row([*D, "0.5", "--refine", "2"], "--refine does not apply"),
+        Row([*D, "0.5", "--k-floor", "5"], "k_floor (--k-floor) 5 is above this model's K = 4"),
+        Row([*D, "0.5", "--k-floor", "0"], "--k-floor: must be above 0"),
+        Row([*D, "0.5", "--decode-batch", "0"], "--decode-batch: must be above 0"),
+        Row([*D, "0.5", "--m-step", "0"], "--m-step: must be above 0"),
+        Row([*D, "0.5", "--decode-batch", "64", "--calib-tokens", "64"], "fewer than 2 tokens per window"),
+        Row([*D, "0.5", "--decode-batch", "16", "--seq-len", "64", "--calib-tokens", "512"],
+            "needs at least 16 windows"),
+        Row([*D, "0.5", "--calib-text", f("short.txt")], "too short"),
+        Row([*D, "0.5", "--seq-len", "300"], "outside this model's context"),
+        Row([*U, "--budget", "0.5", "--decode-batch", "16"], "--decode-batch applies only with --max-distinct-experts"),
+        Row([*U, "--budget", "0.5", "--k-floor", "2"], "--k-floor applies only with --max-distinct-experts"),
         Row(["allocate", *m, "--budget", "0.5", "--method", "uniform", "--output", new], "does not exist"),
         Row(["allocate", *m, "--budget", "0.5", "--method", "uniform", "--output", f("a_dir")], "is a folder"),
         # -- model folders (refused before any weights are read) --------------------------------------

@@ -8,6 +8,7 @@ from .core.budget import Budget
 from .errors import AllocMoeError
 from .measure.evaluate import PerplexityConfig, evaluate_perplexity
 from .calibrate.methods import AllocateConfig, allocate
+from .calibrate.distinct import DistinctConfig, allocate_distinct, distinct_profile
 from .measure.evaluate.run import evaluate_model
 from .models import load_model
 from .core.plan import Plan, model_fingerprint
@@ -18,8 +19,9 @@ from .measure.sweep import SweepConfig, sweep
 from .texts import read_text
 
 __all__ = [
-    "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "DistinctExperts", "NaeeSkip", "PerplexityConfig", "Plan",
-    "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "apply_plan", "distinct_plan",
+    "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "DistinctConfig", "DistinctExperts", "NaeeSkip", "PerplexityConfig", "Plan",
+    "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "allocate_distinct", "apply_plan",
+    "distinct_plan", "distinct_profile",
     "evaluate_model", "evaluate_perplexity", "generate", "load_model", "load_profile", "model_fingerprint", "profile_sensitivity", "read_text",
     "select_experts", "static_plan", "supported_model_types", "sweep",
 ]

@@ -227,6 +227,9 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
     if (budget is None) == (target_ppl is None):
         said = "both a budget and a perplexity target were given" if budget is not None else "no budget was given"
         raise AllocMoeError(f"{said}; give a budget (e.g. 0.5) or target_ppl (e.g. '5%'), one of the two")
+    if method == "distinct":          # a budget of distinct experts per step, not of activations
+        raise AllocMoeError("a distinct-expert budget is allocated by allocmoe.allocate_distinct(M, model=, "
+                            "tokenizer=, calib_text=) (CLI: allocate --max-distinct-experts M); use that")
     if method not in METHODS:
         raise AllocMoeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in PROFILE_METHODS + ("auto",) and profile is None:

@@ -25,7 +25,8 @@ def add_parsers(sub) -> None:
     add_quiet(p)
     p.set_defaults(func=cmd_profile)
 
-    p = sub.add_parser("allocate", help="turn a budget, or a perplexity target (and a profile), into a plan")
+    p = sub.add_parser("allocate",
+                       help="turn a budget, a perplexity target or a latency budget (and a profile) into a plan")
     add_model_flags(p)
     p.add_argument("--profile", default=None, help="profile JSON (needed by alloc-moe, alloc-l, auto)")
     p.add_argument("--calib-text", default=None, help="calibration text for top-p, naee, auto, profiling")
@@ -33,9 +34,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--target-ppl", default=None, metavar="TARGET",
                    help="instead of --budget: the smallest budget whose plan stays within this calibration "
                         "perplexity, relative to the full model (5%%) or absolute (157.0)")
-    p.add_argument("--method", default="auto", choices=METHODS, help="allocation method (default: auto)")
-    p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T: experts every token keeps (default 1)")
-    p.add_argument("--pool", default="batch", choices=("batch", "sequence"), help="Alloc-T pool extent")
+    p.add_argument("--method", default=None, choices=METHODS, help="allocation method (default: auto)")
+    p.add_argument("--k-base", type=positive_int, default=None, help="Alloc-T: experts every token keeps (default 1)")
+    p.add_argument("--pool", default=None, choices=("batch", "sequence"), help="Alloc-T pool extent (default: batch)")
     p.add_argument("--substitute", action=argparse.BooleanOptionalAction, default=None,
                    help="add each skipped expert's calibrated mean output back (saved beside the plan as "
                         "<name>.means.safetensors; allocmoe serve/generate/eval run it, vLLM and export do not); "
@@ -43,6 +44,19 @@ def add_parsers(sub) -> None:
     p.add_argument("--refine", type=non_negative_int, default=None, metavar="PASSES",
                    help="refine the allocation with at most this many calibration passes, resumable (0 = off; "
                         "default: 128 for auto, 0 for the other methods)")
+    p.add_argument("--max-distinct-experts", default=None, metavar="M",
+                   help="instead of --budget, a latency budget for batched decoding: distinct experts each decode "
+                        "step loads, summed over the MoE layers and split across them by the exact solver from a "
+                        "profile measured at --decode-batch; a fraction of the unrestricted union on calibration "
+                        "text (0.5, 1/2, 50%%) or an average count per layer (e.g. 16); see docs/methods.md")
+    p.add_argument("--decode-batch", type=positive_int, default=None, metavar="B",
+                   help="with --max-distinct-experts: sequences decoded side by side, the step the budget bounds "
+                        "(default 16; replaces --batch-size)")
+    p.add_argument("--k-floor", type=positive_int, default=None,
+                   help="with --max-distinct-experts: each token's top experts chosen first (default 1)")
+    p.add_argument("--m-step", type=positive_int, default=None, metavar="N",
+                   help="with --max-distinct-experts: profile every N-th expert count, linear in between "
+                        "(default 1: every count; larger is N times cheaper)")
     add_calib_tokens(p, 8192)
     p.add_argument("--output", required=True, help="plan JSON to write")
     add_prefix_cache(p)
@@ -80,11 +94,21 @@ def cmd_allocate(args) -> None:
     from ..calibrate.target import parse_target
 
     check_output_file(args.output)
+    if args.max_distinct_experts is not None:
+        return _allocate_distinct(args)
+    for flag, value in (("--decode-batch", args.decode_batch), ("--k-floor", args.k_floor), ("--m-step", args.m_step)):
+        if value is not None:
+            raise AllocMoeError(f"{flag} applies only with --max-distinct-experts; give --max-distinct-experts M "
+                                f"for a latency budget, or drop {flag}")
     if (args.budget is None) == (args.target_ppl is None):
         said = "both --budget and --target-ppl were given" if args.budget else "no --budget was given"
-        raise AllocMoeError(f"{said}; give --budget B (e.g. 0.5) or --target-ppl T (e.g. 5%), one of the two")
+        raise AllocMoeError(f"{said}; give --budget B (e.g. 0.5) or --target-ppl T (e.g. 5%), one of the two "
+                            "(or --max-distinct-experts M for a latency budget)")
     if args.target_ppl is not None:
         parse_target(args.target_ppl, 1.0)           # its form, before any work; its value needs the model
+    args.method = args.method or "auto"
+    args.k_base = 1 if args.k_base is None else args.k_base
+    args.pool = args.pool or "batch"
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
                             seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet,
                             substitute=args.substitute, refine=args.refine)
@@ -134,3 +158,42 @@ def cmd_allocate(args) -> None:
               f"smallest budget meeting it is {found['budget_found']}, calibration perplexity "
               f"{found['calibration_perplexity']:.4g}; `allocmoe eval --plan {args.output}` gives the test figure",
               file=sys.stderr)
+
+
+def _allocate_distinct(args) -> None:
+    """`allocate --max-distinct-experts M`: everything checked before the weights load (the flags that
+    do not apply, the budget's form, --k-floor against the model's K, the calibration text's length
+    and windows at the decode batch), then the unrestricted union, the distinct profile (resumable
+    from <output>.distinct.partial.json) and the exact allocation."""
+    from ..calibrate.distinct import (DistinctConfig, allocate_distinct, check_k_floor, distinct_windows,
+                                      parse_distinct_budget)
+    from ..texts import read_text
+
+    for flag in ("--budget", "--target-ppl"):
+        if getattr(args, flag[2:].replace("-", "_")) is not None:
+            raise AllocMoeError(f"both {flag} and --max-distinct-experts were given; give one: {flag} for activations "
+                                "per token, --max-distinct-experts for distinct experts per decode step")
+    for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
+                        ("--pool", args.pool), ("--substitute", args.substitute), ("--refine", args.refine)):
+        if value is not None:
+            raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "
+                                f"per step, from its own profile measured at --decode-batch); drop {flag}")
+    config = DistinctConfig(decode_batch=args.decode_batch or 16, k_floor=args.k_floor or 1,
+                            calib_max_tokens=args.calib_tokens, seq_len=args.seq_len, m_step=args.m_step or 1,
+                            prefix_cache=args.prefix_cache, progress=not args.quiet)
+    spec = inspect(args)
+    fingerprint = spec.fingerprint()
+    parse_distinct_budget(args.max_distinct_experts, fingerprint["num_experts"], fingerprint["num_moe_layers"])
+    check_k_floor(config.k_floor, fingerprint["k_orig"])
+    text, name = read_text(args.calib_text, "calibration")
+    distinct_windows(spec.skeleton(), spec.tokenizer(), text, config)
+    model, tok = load(args, spec)
+    plan = allocate_distinct(args.max_distinct_experts, model=model, tokenizer=tok, calib_text=text, config=config,
+                             resume_file=f"{args.output}.distinct.partial.json", calib_name=name)
+    plan.save(args.output)
+    details = plan.provenance["details"]
+    ms = " ".join(f"{i}:{p.max_experts}" for i, p in sorted(plan.layers.items()))
+    print(f"wrote {args.output}: at most M_l distinct experts per decode step at batch {details['decode_batch']}, "
+          f"{details['allocated']} of {details['total']} allowed in all (unrestricted: "
+          f"{sum(details['union_mean']):.1f} on average); M per layer {ms}; `allocmoe eval --plan {args.output} --decode-batch "
+          f"{details['decode_batch']}` measures it", file=sys.stderr)
