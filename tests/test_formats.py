@@ -104,9 +104,9 @@ def assert_valid_profile_document(doc: dict) -> None:
     calibration = doc["calibration"]
     assert set(calibration) == {"text", "sha256", "tokens_scored", "windows", "seq_len", "max_tokens", "batch_size"}
     assert isinstance(calibration["text"], str) and isinstance(calibration["sha256"], str)
-    assert all(is_whole(calibration[key]) and calibration[key] >= 1
+    assert all(is_whole(calibration[key]) and 1 <= calibration[key] <= 2**53       # counts are exact in a double
                for key in ("tokens_scored", "windows", "max_tokens", "batch_size"))
-    assert is_whole(calibration["seq_len"]) and calibration["seq_len"] >= 2
+    assert is_whole(calibration["seq_len"]) and 2 <= calibration["seq_len"] <= 2**53
     assert_valid_fingerprint(doc["model"])
     assert doc["format_version"] == 1 and doc["metric"] == "perplexity"
     assert doc["k_orig"] == doc["model"]["k_orig"] and doc["num_layers"] == doc["model"]["num_moe_layers"]
