@@ -56,7 +56,7 @@ JOBS = {
     "lexi": (_allocation("lexi"), "lexi", 3 * 4),                 # a pass per layer and k
     "top-p": (_allocation("top-p"), "top-p", 1),                  # batches of the calibration pass
     "naee": (_allocation("naee"), "naee", 1),
-    "auto": (_allocation("auto"), "auto", 7),                     # alloc-l, then alloc-moe and alloc-t at k_base 0, 1, 2
+    "auto": (_allocation("auto"), "auto", 14),                    # alloc-l, alloc-moe and alloc-t at k_base 0, 1, 2; each with and without the substitute
     "profile": (_profile, "profile", 3 * 4 - 2),                  # cells
     "sweep": (_sweep, "sweep", 2),                                # rows
     "analyze": (_analyze, "perplexity", 1),                       # a bar per pass (cleared when done)

@@ -80,7 +80,9 @@ def refine_allocation(plan: Plan, calib_ppl: Callable[[Plan], float], max_evalua
                     got = score(trial)
                     if got is not None and got < best and (found is None or got < found[0]):
                         found = (got, trial, [a, b])
-            if found is None:
+            if found is None:             # a local optimum: the bar ends here, full, not at n/bound
+                bar.total = len(seen)
+                bar.set_postfix_str(f"ppl {best:.4g}, no move helps")
                 break
             best, ks = found[0], found[1]
             moves.append(found[2])
