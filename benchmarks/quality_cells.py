@@ -76,7 +76,7 @@ def main() -> None:
         print(f"\n## {name}: full {rows[0]['full']:.2f}; calibration {results['calibration'].get('tokens_scored')} "
               f"tokens, test {results['evaluation']['tokens']} tokens; sweep {results.get('seconds')} s "
               f"({time.time() - started:.0f} s here)")
-        methods = sorted(rows[0]["perplexity"], key=lambda m: (m != DEFAULT, m))
+        methods = sorted((m for m in rows[0]["perplexity"] if m != "uniform"), key=lambda m: (m != DEFAULT, m))
         print("| budget | uniform | " + " | ".join(methods) + " | winner |")
         print("|---|---|" + "---|" * len(methods) + "---|")
         for cell in rows:
