@@ -147,6 +147,27 @@ def test_the_cli_writes_plan_and_means_and_leaves_no_partial_file(tiny_folder, t
     main(["eval", "--model", str(tiny_folder), "--plan", str(out), "--seq-len", "64", "--eval-tokens", "256",
           "--quiet"])
     assert "perplexity" in capsys.readouterr().out
+    import torch
+
+    from allocmoe import generate, load_model
+
+    model, tok = load_model(tiny_folder)             # generate runs the plan with its means: greedy, as
+    stream = generate(model, tok, "And the", plan=str(out), max_new_tokens=8)        # recomputed here
+    "".join(stream)
+    ids = tok("And the", return_tensors="pt").input_ids
+    with torch.no_grad(), apply_plan(model, Plan.load(out)):
+        for _ in range(8):
+            ids = torch.cat([ids, model(ids).logits[:, -1:].argmax(-1)], dim=1)
+    assert stream.token_ids == ids[0, -8:].tolist()
+    without_means = Plan.load(out)
+    without_means.means = without_means.substitute = None
+    with torch.no_grad():                                 # and the means changed what the model computes
+        assert not torch.equal(_logits_with(model, without_means, ids), _logits_with(model, Plan.load(out), ids))
+
+
+def _logits_with(model, plan, ids):
+    with apply_plan(model, plan):
+        return model(ids).logits
 
 
 @pytest.mark.parametrize("argv, message", [
