@@ -1,0 +1,27 @@
+"""The two extra families shipped in examples/models load as their family, and a budget cut costs quality."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from allocmoe import apply_plan, evaluate_perplexity, load_model, model_fingerprint, read_text, static_plan
+
+MODELS = Path(__file__).resolve().parents[1] / "examples" / "models"
+
+
+@pytest.mark.parametrize("family, renormalises", [("qwen3_moe", True), ("olmoe", False)])
+def test_each_family_loads_as_itself_and_top1_costs_quality(family, renormalises):
+    folder = MODELS / family
+    assert (folder / "model.safetensors").stat().st_size < 11 * 2**20         # a few MB, fp16
+    model, tok = load_model(folder)
+    fp = model_fingerprint(model)
+    assert fp["model_type"] == family and model.config.norm_topk_prob is renormalises
+    assert fp["k_orig"] == 4 and fp["num_moe_layers"] == 4
+    text, _ = read_text(None, "test")
+    score = {"seq_len": 512, "max_tokens": 2048, "progress": False}
+    full = evaluate_perplexity(model, tok, text, score).perplexity
+    with apply_plan(model, static_plan(model, [1] * fp["num_moe_layers"])):
+        top1 = evaluate_perplexity(model, tok, text, score).perplexity
+    assert full < 400 and top1 > 1.2 * full          # trained (a random model scores ~4,096) and budget-sensitive
