@@ -217,6 +217,16 @@ def _substituted(adapter: MoEAdapter, router, scores, cand_idx: torch.Tensor, in
     return dense.gather(1, index) * keep, extra
 
 
+def _skipped_means(weights: torch.Tensor, index: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
+    """sum over a token's skipped slots of weight x that expert's mean: weights, index [T, S] -> [T, H].
+    Gathered per slot when that is small (decode), else as a dense [T, E] x [E, H] product (prefill)."""
+    num_tokens, slots = index.shape
+    if num_tokens * slots * means.size(-1) <= 1 << 22:
+        return torch.einsum("ts,tsh->th", weights.to(means.dtype), means[index])
+    dense = torch.zeros(num_tokens, means.size(0), dtype=means.dtype, device=means.device)
+    return dense.scatter_add_(1, index, weights.to(means.dtype)) @ means
+
+
 def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy], k_orig: int,
                     ctx: RoutingContext, stats: LayerStats, renormalize: bool | None,
                     means: list[torch.Tensor | None], pending: dict):
@@ -233,8 +243,20 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
         pending.pop("extra", None)
         policy = policies[next(iter(groups))] if len(groups) == 1 else None
         static_k = _static_k(policy, valid) if policy is not None and not ctx.recorders else None
+        sub_means = means[next(iter(groups))] if len(groups) == 1 else None
+        if static_k is not None and static_k < k_orig and sub_means is not None:   # static top-k + substitute
+            index = scores.ranking.topk(k_orig, dim=-1).indices              # [T, K]
+            full = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
+            pending["extra"] = _skipped_means(full[:, static_k:], index[:, static_k:], sub_means)   # [T, H]
+            index, weights = index[:, :static_k], full[:, :static_k]         # kept at their full-K weights
+            stats.add_uniform(static_k, valid)
+            if ctx.count_steps:
+                stats.add_steps(index, valid, ctx.batch_size, num_experts)
+            if ctx.track_rows:
+                ctx.add_row_activations(torch.full_like(valid, static_k, dtype=torch.long), valid)
+            return scores.logits, weights, index
         if static_k is not None and static_k < k_orig and any(means[i] is not None for i in groups):
-            static_k = None                                                   # the substitute needs the candidates
+            static_k = None                                                   # mixed plans: the general path
         if static_k is not None:                                              # fast path: no per-token counts
             index = scores.ranking.topk(static_k, dim=-1).indices             # [T, k]
             weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
