@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import statistics
 import sys
 import time
 
@@ -27,9 +28,55 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import cpu_name  # noqa: E402
 
+from allocmoe import apply_plan, static_plan  # noqa: E402
 from allocmoe.core.files import atomic_write_json  # noqa: E402
-from allocmoe.measure.bench import BenchConfig, benchmark, distinct_plan_for, format_table  # noqa: E402
+from allocmoe.measure.bench import (BenchConfig, Generation, benchmark, distinct_plan_for, format_table,  # noqa: E402
+                                    prompt_ids)
 from allocmoe.measure.synthetic import build_synthetic  # noqa: E402
+from allocmoe.routing.adapters import adapter_for_model  # noqa: E402
+from allocmoe.routing.experts import compact_experts_forward  # noqa: E402
+
+
+@torch.no_grad()
+def experts_kernel_alone(model, plans: dict, config: BenchConfig, steps: int, repeats: int) -> dict:
+    """The first MoE layer's experts kernel alone, on the real inputs it gets in the first `steps`
+    decode steps under each plan: ms per step (median over repeats, the plans taking turns), the
+    distinct experts and (token, expert) rows of each step, and a least-squares fit
+    ms = per_expert * distinct + per_row * rows over all of them."""
+    layer = adapter_for_model(model).moe_layers(model)[0]
+    num_experts = adapter_for_model(model).num_experts()
+    captured = {name: [] for name in plans}
+    for name, plan in plans.items():
+        hook = layer.experts.register_forward_hook(lambda module, args, out, name=name: captured[name].append(args))
+        try:
+            with apply_plan(model, plan):
+                gen = Generation(model, prompt_ids(model, config), steps)
+                gen.prefill()
+                captured[name].clear()
+                for _ in range(steps):
+                    gen.step()
+        finally:
+            hook.remove()
+    samples = {name: [[] for _ in range(steps)] for name in plans}
+    for _ in range(repeats):
+        for step in range(steps):
+            for name in plans:
+                hidden, index, weights = captured[name][step]
+                start = time.perf_counter()
+                compact_experts_forward(layer.experts, hidden, index, weights)
+                samples[name][step].append(time.perf_counter() - start)
+    out, points = {}, []
+    for name in plans:
+        rows = [{"distinct": len({e for e in index.reshape(-1).tolist() if e < num_experts}),
+                 "rows": int((index < num_experts).sum()), "ms": 1000 * statistics.median(times)}
+                for (_, index, _), times in zip(captured[name], samples[name])]
+        points += rows
+        out[name] = {"steps": rows, "ms": statistics.median(r["ms"] for r in rows),
+                     "distinct": statistics.mean(r["distinct"] for r in rows),
+                     "rows": statistics.mean(r["rows"] for r in rows)}
+    design = torch.tensor([[p["distinct"], p["rows"]] for p in points], dtype=torch.float64)
+    fit = torch.linalg.lstsq(design, torch.tensor([p["ms"] for p in points], dtype=torch.float64)[:, None]).solution
+    return {"layer": layer.index, "per_plan": out, "fit_ms": {"per_expert": float(fit[0]), "per_row": float(fit[1])}}
 
 
 def main() -> None:
@@ -42,6 +89,9 @@ def main() -> None:
     parser.add_argument("--output-len", type=int, default=32, help="decode steps per round")
     parser.add_argument("--repeats", type=int, default=5, help="timed rounds")
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds first")
+    parser.add_argument("--kernel-steps", type=int, default=8,
+                        help="then time the experts kernel alone on this many decode steps' real inputs (0: skip)")
+    parser.add_argument("--kernel-repeats", type=int, default=10, help="repeats of that kernel timing")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                         help="default: float32 on CPU, bfloat16 on CUDA")
@@ -66,6 +116,24 @@ def main() -> None:
     result["machine"] = machine
     result["script"] = {"argv": sys.argv[1:], **vars(args), "minutes": (time.time() - started) / 60}
     print(format_table(result))
+    if args.kernel_steps:
+        k_orig = result["model"]["k_orig"]
+        layers = result["model"]["num_moe_layers"]
+        kernel = experts_kernel_alone(model, {"full": static_plan(model, [k_orig] * layers), "plan": plan,
+                                              "uniform": static_plan(model, [result["configurations"]["uniform"]["k"]] * layers)},
+                                      config, args.kernel_steps, args.kernel_repeats)
+        result["experts_kernel_alone"] = kernel
+        full = kernel["per_plan"]["full"]
+        print(f"\nthe experts kernel alone, MoE layer {kernel['layer']}, its real inputs in the first {args.kernel_steps} "
+              f"decode steps ({args.kernel_repeats} repeats, medians):\n\n"
+              "| configuration | distinct experts | rows (token, expert) | kernel ms | of full | distinct, of full |\n"
+              "|---|---|---|---|---|---|")
+        for name, k in kernel["per_plan"].items():
+            print(f"| {result['configurations'][name]['label']} | {k['distinct']:.1f} | {k['rows']:.1f} | {k['ms']:.1f} | "
+                  f"{k['ms'] / full['ms']:.3f} | {k['distinct'] / full['distinct']:.3f} |")
+        fit = kernel["fit_ms"]
+        print(f"\nfit over the {3 * args.kernel_steps} steps: ms = {fit['per_expert']:.3f} x distinct experts + "
+              f"{fit['per_row']:.3f} x rows")
     if args.output_json:
         atomic_write_json(args.output_json, result)
         print(f"wrote {args.output_json}", file=sys.stderr)

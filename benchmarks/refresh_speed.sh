@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Rerun every CPU speed figure docs/speed.md quotes and write its JSON under docs/speed/ (about 130
+# Rerun every CPU speed figure docs/speed.md quotes and write its JSON under docs/speed/ (about 180
 # minutes on 2 cores, 13 GiB of memory). Then update docs/speed.md (and the README's at-a-glance table) from the printout.
 #
 #     bash benchmarks/refresh_speed.sh
@@ -44,4 +44,8 @@ for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do
       --output "$OUT/cpu_${short}_${OTHER_LAYERS}layers_prompt256_$method.json" > /dev/null
   done
 done
+# batched decode (batch 16) under a distinct-expert budget of half the unrestricted union, beside the
+# unmodified model and uniform top-k (docs/speed.md's batched-decode table; about 50 minutes)
+python benchmarks/distinct_speed.py --num-layers "$NUM_LAYERS" --batch-size 16 --fraction 0.5 --input-len 64 \
+  --output-len 32 --repeats "$REPEATS" --output-json "$OUT/distinct_batch16.json"
 echo "wrote $OUT"

@@ -364,6 +364,7 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     for name in names:
         t = timings[name]["decode"]["median"]
         row: dict[str, Any] = {"label": _label(name, plans.get(name), k_orig),
+                               **({"k": uniform_k} if name == "uniform" else {}),
                                "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.batch_size / t,
                                "prefill_seconds": timings[name]["prefill"]["median"], "decode_speedup": t_full / t}
         if name in counted:
