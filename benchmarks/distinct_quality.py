@@ -28,7 +28,7 @@ Writes <output-dir>/<name>.json (every point, the settings, token counts, machin
 from __future__ import annotations
 
 import argparse
-import math
+import json
 import os
 import sys
 import time
@@ -67,6 +67,27 @@ def interpolate(curve: list[tuple[float, float]], x: float) -> float | None:
         if x1 <= x <= x2:
             return y1 if x2 == x1 else y1 + (y2 - y1) * (x - x1) / (x2 - x1)
     return curve[0][1] if len(curve) == 1 and curve[0][0] == x else None
+
+
+def compare(rows: list[dict]) -> None:
+    """Beside each latency-budget point, per other method: its curve interpolated at the same
+    distinct experts per step (`at_equal_distinct`), and its cheapest measured point that loads at
+    least as many (`at_least_as_many`: setting, distinct, perplexity), which needs no interpolation."""
+    others = (EVEN, UNIFORM, ALLOC_MOE)
+    for row in rows:
+        if row["method"] != LATENCY:
+            continue
+        x = row["distinct_experts_per_step"]
+        row["at_equal_distinct"], row["at_least_as_many"] = {}, {}
+        for m in others:
+            points = [r for r in rows if r["method"] == m]
+            row["at_equal_distinct"][m] = interpolate([(r["distinct_experts_per_step"], r["perplexity"])
+                                                       for r in points], x)
+            slower = [r for r in points if r["distinct_experts_per_step"] >= x]
+            best = min(slower, key=lambda r: r["distinct_experts_per_step"]) if slower else None
+            row["at_least_as_many"][m] = None if best is None else {
+                "setting": best["setting"], "distinct_experts_per_step": best["distinct_experts_per_step"],
+                "perplexity": best["perplexity"]}
 
 
 def run(args) -> dict:
@@ -118,12 +139,7 @@ def run(args) -> dict:
             f"{point['distinct_experts_per_step']:6.2f} (max {point['max_distinct_experts_per_step']}) "
             f"ppl {point['perplexity']:.3f}")
 
-    curves = {m: [(r["distinct_experts_per_step"], r["perplexity"]) for r in rows if r["method"] == m]
-              for m in (LATENCY, EVEN, UNIFORM, ALLOC_MOE)}
-    for row in rows:
-        if row["method"] == LATENCY:
-            row["at_equal_distinct"] = {m: interpolate(curves[m], row["distinct_experts_per_step"])
-                                        for m in (EVEN, UNIFORM, ALLOC_MOE)}
+    compare(rows)
     full = next(r for r in rows if r["method"] == UNIFORM and r["setting"] == f"k={k_orig}")
     return {
         "model": args.name, "fingerprint": fingerprint, "machine": cpu_name(), "torch_threads": torch.get_num_threads(),
@@ -161,6 +177,18 @@ def table(result: dict) -> str:
                        f"{r['distinct_experts_per_step']:.2f} ({r['max_distinct_experts_per_step']}) | "
                        f"{r['perplexity']:.3f} | {fmt(eq[EVEN], r['perplexity'])} | "
                        f"{fmt(eq[UNIFORM], r['perplexity'])} | {fmt(eq[ALLOC_MOE], r['perplexity'])} |")
+    out += ["", f"Against each method's cheapest measured point that loads at least as many distinct experts per step "
+            "(no interpolation):", "",
+            f"| latency budget | distinct/step | test ppl | {EVEN} | {UNIFORM} | {ALLOC_MOE} |", "|---|---|---|---|---|---|"]
+    for r in result["rows"]:
+        if r["method"] == LATENCY:
+            cells = []
+            for m in (EVEN, UNIFORM, ALLOC_MOE):
+                p = r["at_least_as_many"][m]
+                cells.append("none" if p is None else f"{p['setting']}: {p['perplexity']:.3f} at "
+                             f"{p['distinct_experts_per_step']:.2f} ({p['perplexity'] - r['perplexity']:+.3f})")
+            out.append(f"| {r['setting']} | {r['distinct_experts_per_step']:.2f} | {r['perplexity']:.3f} | "
+                       + " | ".join(cells) + " |")
     out += ["", "| method | setting | distinct/step | max | activations/token | test ppl |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
         out.append(f"| {r['method']} | {r['setting']} | {r['distinct_experts_per_step']:.2f} | "
@@ -208,11 +236,18 @@ def main() -> None:
     parser.add_argument("--m-step", type=int, default=1, help="distinct profile: every N-th M")
     parser.add_argument("--output-dir", default=str(ROOT / "docs" / "distinct"))
     parser.add_argument("--quiet", action="store_true")
+    parser.add_argument("--from-json", default=None, metavar="FILE",
+                        help="measure nothing: recompute the comparisons, table and plot of a result this script wrote")
     args = parser.parse_args()
     args.fractions = [float(f) for f in args.fractions.split(",")]
     args.name = args.name or (Path(args.model).name if args.model else "builtin")
     torch.set_grad_enabled(False)
-    result = run(args)
+    if args.from_json:
+        result = json.loads(Path(args.from_json).read_text())
+        compare(result["rows"])
+        args.name = result["model"]
+    else:
+        result = run(args)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
     atomic_write_json(out / f"{args.name}.json", result)
