@@ -66,7 +66,7 @@ def assert_valid_fingerprint(fp: dict) -> None:
 def assert_valid_plan_document(doc: dict) -> None:
     assert set(doc) <= {"format_version", "model", "budget", "method", "layers", "provenance"}
     assert isinstance(doc.get("provenance", {}), dict) and isinstance(doc["layers"], dict)
-    assert doc["format_version"] == 1 and isinstance(doc["method"], str) and doc["method"]
+    assert type(doc["format_version"]) is int and doc["format_version"] == 1 and isinstance(doc["method"], str) and doc["method"]
     assert all(isinstance(entry, dict) and entry.get("policy") in ("top-k", "alloc-t", "top-p", "naee", "distinct")
                for entry in doc["layers"].values())
     fp = doc["model"]
@@ -108,7 +108,7 @@ def assert_valid_profile_document(doc: dict) -> None:
                for key in ("tokens_scored", "windows", "max_tokens", "batch_size"))
     assert is_whole(calibration["seq_len"]) and 2 <= calibration["seq_len"] <= 2**53
     assert_valid_fingerprint(doc["model"])
-    assert doc["format_version"] == 1 and doc["metric"] == "perplexity"
+    assert type(doc["format_version"]) is int and doc["format_version"] == 1 and doc["metric"] == "perplexity"
     assert doc["k_orig"] == doc["model"]["k_orig"] and doc["num_layers"] == doc["model"]["num_moe_layers"]
     assert len(doc["sensitivity"]) == doc["num_layers"]
     assert all(len(row) == doc["k_orig"] and all(is_number(v) and v >= 1 for v in row) for row in doc["sensitivity"])

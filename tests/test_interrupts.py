@@ -69,6 +69,12 @@ def _mid_run(command, step, root, cells_before):
 STEPS = [(signal.SIGTERM, True), (signal.SIGINT, False), (None, False)]
 
 
+def _sigint_as_usual() -> None:
+    """In the child before exec: SIGINT at its default, so Python turns it into KeyboardInterrupt even
+    when the suite itself was started with SIGINT ignored (a background job, nohup)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Run:
     """`python -m allocmoe ARGV` in its own session, stdout and stderr to files (a pipe could fill and stall it)."""
 
@@ -77,7 +83,7 @@ class Run:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}   # 1 thread, as in-process
         with open(self.out, "w") as out, open(self.err, "w") as err:
             self.proc = subprocess.Popen([sys.executable, "-m", "allocmoe", *argv], stdout=out, stderr=err,
-                                         env=env, start_new_session=True)
+                                         env=env, start_new_session=True, preexec_fn=_sigint_as_usual)
 
     def finish(self, deadline):
         try:
@@ -282,6 +288,7 @@ def test_sigint_and_sigterm_wait_until_the_held_block_ends():
 
     seen = []
     previous = signal.signal(signal.SIGTERM, lambda signum, frame: seen.append(signum))
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)   # as usual, even if the suite ignores it
     try:
         with signals_held():
             os.kill(os.getpid(), signal.SIGTERM)
@@ -298,3 +305,4 @@ def test_sigint_and_sigterm_wait_until_the_held_block_ends():
         assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
     finally:
         signal.signal(signal.SIGTERM, previous)
+        signal.signal(signal.SIGINT, previous_int)
