@@ -14,10 +14,7 @@ own plan, chosen through `handle.context.row_plans`, which is how the server bat
 different budgets into one forward pass. With `context.track_rows` set, each pass leaves the
 activations each row spent, summed over MoE layers, in `context.row_activations`.
 
-A plan with means (`plan.means`, core/means.py) also substitutes what it skips: its kept experts get
-the weights the full model gives them (for renormalising routers, normalised over the original
-top-K_orig, not the kept set), and the experts' output gains, per token, the sum over its skipped
-top-K_orig candidates of weight x that expert's calibrated mean output: one [T, E] x [E, H] product.
+A plan with means (`plan.means`) also adds back what it skips (routing/substitute.py).
 
 A pass of B rows and S positions is S decode steps of B tokens (step s = position s of every row;
 in a left-padded prefill, column s). The distinct policy bounds the experts each step loads, and
@@ -40,6 +37,7 @@ from torch import nn
 from .adapters import MoEAdapter, MoELayer, adapter_for_model
 from ..errors import AllocMoeError
 from .experts import compact_experts_forward
+from .substitute import experts_forward, layer_means, skipped_means, substituted
 from ..core.plan import Plan
 from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distinct_per_step,
                              expected_alloc_t_activations, prefix_mask, token_steps)
@@ -206,33 +204,12 @@ def _kept_first(index: torch.Tensor, keep: torch.Tensor, cand_idx: torch.Tensor,
     return index.gather(-1, order), own.gather(-1, order)
 
 
-def _substituted(adapter: MoEAdapter, router, scores, cand_idx: torch.Tensor, index: torch.Tensor,
-                 keep: torch.Tensor, renormalize: bool | None, means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """Under a substitute: the kept experts' weights [T, W] as the full model gives them, and what the
-    skipped candidates add, sum over skipped e of weight_e x mean_e ([T, H])."""
-    full = adapter.combine(router, scores, cand_idx, torch.ones_like(cand_idx, dtype=torch.bool), renormalize)  # [T, K]
-    dense = torch.zeros_like(scores.probs, dtype=full.dtype).scatter_(1, cand_idx, full)                      # [T, E]
-    kept = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, index, keep)                                 # [T, E]
-    extra = dense.masked_fill(kept, 0.0) @ means.to(device=dense.device, dtype=dense.dtype)                 # [T, H]
-    return dense.gather(1, index) * keep, extra
-
-
-def _skipped_means(weights: torch.Tensor, index: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-    """sum over a token's skipped slots of weight x that expert's mean: weights, index [T, S] -> [T, H].
-    Gathered per slot when that is small (decode), else as a dense [T, E] x [E, H] product (prefill)."""
-    num_tokens, slots = index.shape
-    if num_tokens * slots * means.size(-1) <= 1 << 22:
-        return torch.einsum("ts,tsh->th", weights.to(means.dtype), means[index])
-    dense = torch.zeros(num_tokens, means.size(0), dtype=means.dtype, device=means.device)
-    return dense.scatter_add_(1, index, weights.to(means.dtype)) @ means
-
-
 def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy], k_orig: int,
                     ctx: RoutingContext, stats: LayerStats, renormalize: bool | None,
                     means: list[torch.Tensor | None], pending: dict):
     """`policies[i]` is this layer's policy under installed plan i (the list grows as plans are added);
     `means[i]` its substitute's expert means [E, H] or None. What a substitute adds is left in
-    `pending["extra"]` for the experts' forward (_experts_forward) to add to its output."""
+    `pending["extra"]` for the experts' forward (routing/substitute.py) to add to its output."""
     router, num_experts = layer.router, adapter.num_experts()
 
     def forward(hidden_states: torch.Tensor, *args, **kwargs):
@@ -247,7 +224,7 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
         if static_k is not None and static_k < k_orig and sub_means is not None:   # static top-k + substitute
             index = scores.ranking.topk(k_orig, dim=-1).indices              # [T, K]
             full = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
-            pending["extra"] = _skipped_means(full[:, static_k:], index[:, static_k:], sub_means)   # [T, H]
+            pending["extra"] = skipped_means(full[:, static_k:], index[:, static_k:], sub_means)   # [T, H]
             index, weights = index[:, :static_k], full[:, :static_k]         # kept at their full-K weights
             stats.add_uniform(static_k, valid)
             if ctx.count_steps:
@@ -284,7 +261,7 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
         for plan_index, rows in groups.items():
             if means[plan_index] is not None:
                 tokens = _row_tokens(rows, hidden.size(0) // ctx.batch_size, valid.device) if len(groups) > 1 else None
-                sub_w, extra = _substituted(adapter, router, scores, cand_idx, index, keep, renormalize, means[plan_index])
+                sub_w, extra = substituted(adapter, router, scores, cand_idx, index, keep, renormalize, means[plan_index])
                 if tokens is None:
                     weights, pending["extra"] = sub_w.to(weights.dtype), extra
                 else:
@@ -314,30 +291,6 @@ def _row_tokens(rows: list[int], per_row: int, device) -> torch.Tensor:
     return (row_idx[:, None] * per_row + torch.arange(per_row, device=device)).reshape(-1)
 
 
-def _experts_forward(experts: nn.Module, pending: dict):
-    """The compacted experts path, plus what the layer's substitute left in `pending` for this pass."""
-    def forward(hidden_states, top_k_index, top_k_weights):
-        out = compact_experts_forward(experts, hidden_states, top_k_index, top_k_weights)
-        extra = pending.pop("extra", None)
-        return out if extra is None else out + extra.to(out.dtype).view_as(out)
-    return forward
-
-
-def _layer_means(plan: Plan, layer: MoELayer) -> torch.Tensor | None:
-    """The plan's means [E, H] for `layer`, on the layer's device (so a pass moves nothing), or None."""
-    if plan.means is None:
-        if plan.substitute:
-            raise AllocMoeError("the plan adds back skipped experts' means but they were not loaded (a plan built "
-                                "with Plan.from_dict); load it with Plan.load(path), which reads its means file")
-        return None
-    if any(isinstance(policy, DistinctExperts) for policy in plan.layers.values()):
-        raise AllocMoeError("a distinct-expert plan cannot carry a substitute (its steps choose experts outside a "
-                            "token's own top-K); make the plan without --substitute")
-    means = plan.means.means[layer.index]
-    device = next((p.device for p in layer.experts.parameters() if p.device.type != "meta"), means.device)
-    return means.to(device)
-
-
 class PlanHandle:
     """A plan installed on a model. Use as a context manager, or call `remove()`."""
 
@@ -363,7 +316,7 @@ class PlanHandle:
         plan.check_model(self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
-        added = {layer.index: _layer_means(plan, layer) for layer in self._layers}
+        added = {layer.index: layer_means(plan, layer) for layer in self._layers}
         for layer in self._layers:
             self._policies[layer.index].append(plan.layers[layer.index])
             self._means[layer.index].append(added[layer.index])
@@ -473,12 +426,12 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
     for layer in layers:
         for policy in policies[layer.index]:
             policy.check(k_orig)
-    means = {layer.index: [_layer_means(plan, layer) for plan in plans] for layer in layers}
+    means = {layer.index: [layer_means(plan, layer) for plan in plans] for layer in layers}
     for layer in layers:
         pending: dict = {}          # the layer's substitute, handed from its router to its experts in a pass
         _set_forward(layer.router, _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
                                                    stats[layer.index], renormalize, means[layer.index], pending))
-        _set_forward(layer.experts, _experts_forward(layer.experts, pending))
+        _set_forward(layer.experts, experts_forward(layer.experts, pending))
         setattr(layer.router, _MARK, True)
         setattr(layer.experts, _MARK, True)
 
