@@ -46,7 +46,7 @@ import torch
 from tqdm import tqdm
 
 from ..core.config import check_counts, checked_config
-from ..core.files import atomic_write_json, read_json
+from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
 from ..core.policies import DistinctExperts, StaticTopK
 from ..core.solver import solve_allocation
@@ -55,6 +55,7 @@ from ..measure.evaluate.perplexity import (check_decode_batch, default_seq_len, 
                                            tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
 from .prefix import PrefixCacheUnsupported, PrefixStates, Step, layer_passes, step_layer_passes
+from .profile import resumed_cells
 
 PROFILE_KIND = "distinct"
 
@@ -212,7 +213,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     run_key = {"kind": PROFILE_KIND, "model": fingerprint, "calibration": calibration,
                "decode_batch": config.decode_batch, "k_floor": config.k_floor}
     resume = Path(resume_file) if resume_file else None
-    done = _resumed(resume, run_key) if resume else {}
+    done = resumed_cells(resume, run_key, "distinct profile resume file") if resume else {}
     todo = [cell for cell in cells if _key(cell) not in done]
     run = _CellRun(model, windows, routed, config, fingerprint, todo)
     if config.progress:
@@ -269,23 +270,6 @@ def _interpolated(points: list[tuple[int, float]], num_experts: int) -> list[flo
 
 def _key(cell: tuple[int, int]) -> str:
     return f"{cell[0]},{cell[1]}"
-
-
-def _resumed(path: Path, run_key: dict[str, Any]) -> dict[str, float]:
-    """Finished cells of an earlier run with the same key; none if it differs or is damaged."""
-    if not path.is_file():
-        return {}
-    try:
-        saved = read_json(path, "distinct profile resume file")
-        if not (isinstance(saved, dict) and saved.get("key") == run_key):
-            return {}
-        cells = {str(k): float(v) for k, v in saved["cells"].items()}
-        if all(math.isfinite(v) for v in cells.values()):
-            return cells
-    except (AllocMoeError, KeyError, TypeError, ValueError, AttributeError):
-        pass
-    print(f"allocmoe: warning: {path} is damaged; profiling from the start", file=sys.stderr)
-    return {}
 
 
 class _CellRun:

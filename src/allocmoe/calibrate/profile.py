@@ -142,7 +142,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     run_key = {"model": fingerprint, "calibration": calibration}
 
     partial_path = Path(f"{output}.partial.json") if output else None
-    done = _resumed_cells(partial_path, run_key) if partial_path else {}
+    done = resumed_cells(partial_path, run_key) if partial_path else {}
     configs = profile_cells(num_layers, k_orig)
     todo = [cfg for cfg in configs if _key(cfg) not in done]
 
@@ -344,12 +344,13 @@ class _CellBar(tqdm):
         return facts
 
 
-def _resumed_cells(partial_path: Path, run_key: dict[str, Any]) -> dict[str, float]:
-    """Finished cells of an earlier run with the same model and calibration; none if it differs or is damaged."""
+def resumed_cells(partial_path: Path, run_key: dict[str, Any], what: str = "partial profile") -> dict[str, float]:
+    """Finished cells of an earlier run with the same key (model, calibration, ...); none if it differs
+    or is damaged. The distinct-expert profile (distinct.py) resumes through it too."""
     if not partial_path.is_file():
         return {}
     try:
-        saved = read_json(partial_path, "partial profile")
+        saved = read_json(partial_path, what)
         if not (isinstance(saved, dict) and saved.get("key") == run_key):
             return {}
         cells = {str(k): float(v) for k, v in saved["cells"].items()}
