@@ -221,22 +221,15 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
         policy = policies[next(iter(groups))] if len(groups) == 1 else None
         static_k = _static_k(policy, valid) if policy is not None and not ctx.recorders else None
         sub_means = means[next(iter(groups))] if len(groups) == 1 else None
-        if static_k is not None and static_k < k_orig and sub_means is not None:   # static top-k + substitute
-            index = scores.ranking.topk(k_orig, dim=-1).indices              # [T, K]
-            full = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
-            pending["extra"] = skipped_means(full[:, static_k:], index[:, static_k:], sub_means)   # [T, H]
-            index, weights = index[:, :static_k], full[:, :static_k]         # kept at their full-K weights
-            stats.add_uniform(static_k, valid)
-            if ctx.count_steps:
-                stats.add_steps(index, valid, ctx.batch_size, num_experts)
-            if ctx.track_rows:
-                ctx.add_row_activations(torch.full_like(valid, static_k, dtype=torch.long), valid)
-            return scores.logits, weights, index
-        if static_k is not None and static_k < k_orig and any(means[i] is not None for i in groups):
-            static_k = None                                                   # mixed plans: the general path
         if static_k is not None:                                              # fast path: no per-token counts
-            index = scores.ranking.topk(static_k, dim=-1).indices             # [T, k]
-            weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
+            if static_k < k_orig and sub_means is not None:                   # + substitute for the skipped slots
+                index = scores.ranking.topk(k_orig, dim=-1).indices           # [T, K]
+                full = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
+                pending["extra"] = skipped_means(full[:, static_k:], index[:, static_k:], sub_means)   # [T, H]
+                index, weights = index[:, :static_k], full[:, :static_k]     # kept at their full-K weights
+            else:
+                index = scores.ranking.topk(static_k, dim=-1).indices         # [T, k]
+                weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
             stats.add_uniform(static_k, valid)
             if ctx.count_steps:
                 stats.add_steps(index, valid, ctx.batch_size, num_experts)
