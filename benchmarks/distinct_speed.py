@@ -79,6 +79,20 @@ def experts_kernel_alone(model, plans: dict, config: BenchConfig, steps: int, re
     return {"layer": layer.index, "per_plan": out, "fit_ms": {"per_expert": float(fit[0]), "per_row": float(fit[1])}}
 
 
+def _commit() -> str | None:
+    """The checkout's commit (with '+changes' when files differ from it), or None outside git."""
+    import subprocess
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here, capture_output=True,
+                               text=True, check=True).stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    return commit + ("+changes" if dirty else "")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--shape", default="synthetic:deepseek-v2-lite")
@@ -103,7 +117,7 @@ def main() -> None:
     print(f"{args.shape}, {args.num_layers} layers, {str(dtype).removeprefix('torch.')} on {machine}, "
           f"{torch.get_num_threads()} threads; batch {args.batch_size}, prompt {args.input_len}, "
           f"{args.output_len} decode steps, {args.repeats} rounds after {args.warmup} warm-up", file=sys.stderr)
-    started = time.time()
+    started, load_at_start = time.time(), os.getloadavg()[0]
     model = build_synthetic(args.shape, args.num_layers, dtype=dtype, device=args.device)
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                          repeats=args.repeats, warmup=args.warmup)
@@ -114,6 +128,8 @@ def main() -> None:
     result["unrestricted_union"] = {"fraction": args.fraction, "per_layer": {str(i): u for i, u in union.items()},
                                     "measured_on": "other random prompts (seed 1), same batch and decode steps"}
     result["machine"] = machine
+    result["host_load_average_1min"] = {"start": load_at_start, "end": os.getloadavg()[0]}   # a shared host says so
+    result["commit"] = _commit()
     result["script"] = {"argv": sys.argv[1:], **vars(args), "minutes": (time.time() - started) / 60}
     print(format_table(result))
     if args.kernel_steps:

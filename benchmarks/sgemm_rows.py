@@ -1,8 +1,11 @@
 """How one DeepSeek-V2-Lite expert's matmul time moves with its number of token rows, on this CPU.
 
-Prints, for n rows, the weights-first product W @ x^T (the CPU experts kernel's matmul) for the
-up projection [2816, 2048] and the down projection [2048, 1408], and the same with the rows
-widened as the kernel widens them (experts.ROW_BLOCK / PAD_FROM_ROWS). Weights cycle over 8
+Prints, for n rows, the weights-first product W @ x^T (the CPU experts kernel's matmul from
+experts.TOKENS_FIRST_MAX_ROWS + 1 rows on) for the up projection [2816, 2048] and the down
+projection [2048, 1408], the same with the rows widened as the kernel widens them
+(experts.ROW_BLOCK / PAD_FROM_ROWS), and the tokens-first product x @ W^T (the kernel's up to
+TOKENS_FIRST_MAX_ROWS rows: on an Intel Xeon host W @ x^T cost twice as much from 2 rows on, as
+much as the tokens-first product from 4 rows on). Weights cycle over 8
 experts so they come from memory, as in a real layer. Shows why the kernel widens ragged row
 counts, and why a half budget cannot halve prefill time on CPU: even one row streams the
 expert's 35 MB of weights.
@@ -27,13 +30,16 @@ EXPERTS = 8       # distinct weight matrices cycled through, so each product rea
 
 
 
-def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int) -> float:
-    """Median milliseconds of one weights-first product on `rows` rows of x."""
+def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int, tokens_first: bool = False) -> float:
+    """Median milliseconds of one weights-first (or tokens-first) product on `rows` rows of x."""
     samples = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         for e in range(EXPERTS):
-            torch.mm(weights[e], x[:rows].t())
+            if tokens_first:
+                torch.mm(x[:rows], weights[e].t())
+            else:
+                torch.mm(weights[e], x[:rows].t())
         samples.append((time.perf_counter() - start) / EXPERTS)
     return statistics.median(samples[1:]) * 1000
 
@@ -52,8 +58,8 @@ def main() -> None:
     spare = 64   # rows beyond max-rows, so every window can widen
     inputs = {name: torch.randn(args.max_rows + spare, w.size(2)) for name, w in projections.items()}
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; milliseconds per "
-          "product, as is -> widened (widened rows)")
-    print("rows  " + "  ".join(f"{name:>30}" for name in projections))
+          "product, weights-first as is -> widened (widened rows) | tokens-first")
+    print("rows  " + "  ".join(f"{name:>39}" for name in projections))
     with torch.no_grad():
         for rows in range(1, args.max_rows + 1):
             lo, hi = _row_window(0, rows, args.max_rows + spare)
@@ -61,8 +67,9 @@ def main() -> None:
             for name, weights in projections.items():
                 plain = time_rows(weights, inputs[name], rows, args.repeats)
                 widened = time_rows(weights, inputs[name], hi - lo, args.repeats) if hi - lo != rows else plain
-                cells.append(f"{plain:8.2f} -> {widened:6.2f} ({hi - lo:2d})")
-            print(f"{rows:4d}  " + "  ".join(f"{cell:>30}" for cell in cells), flush=True)
+                tokens_first = time_rows(weights, inputs[name], rows, args.repeats, tokens_first=True)
+                cells.append(f"{plain:8.2f} -> {widened:6.2f} ({hi - lo:2d}) | {tokens_first:6.2f}")
+            print(f"{rows:4d}  " + "  ".join(f"{cell:>39}" for cell in cells), flush=True)
 
 
 if __name__ == "__main__":

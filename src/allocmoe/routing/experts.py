@@ -8,8 +8,10 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
   steps with each expert's matmul written weights-first (W @ x^T). With the weight as first
   operand MKL's sgemm handles the few-row operand far better: one DeepSeek-V2-Lite expert with
   4-64 rows runs 1.5-2.2x faster, with 256 rows 1.2x (benchmarks/cpu_speed.py measures whole
-  models). An expert's rows are widened to a whole block of 8 from 12 rows on, because MKL runs a
-  ragged tail of rows at up to 1.8x the cost of a whole block (benchmarks/sgemm_rows.py). Tiny
+  models). An expert with at most 3 rows (batched decode) runs tokens-first (x @ W^T), MKL's
+  few-row path, which streams W once where W @ x^T took twice as long. An expert's rows are
+  widened to a whole block of 8 from 12 rows on, because MKL runs a ragged tail of rows at up to
+  1.8x the cost of a whole block (benchmarks/sgemm_rows.py prints all three curves). Tiny
   experts keep grouped_mm, whose single call beats a Python loop over experts there, and so do
   bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
 
@@ -30,6 +32,7 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_expe
 WEIGHTS_FIRST_MIN_ELEMENTS = 1 << 20   # per expert projection; below it the per-expert loop costs more than it saves
 ROW_BLOCK = 8         # MKL's sgemm runs the few-row operand in blocks of 8 rows; a ragged tail costs up to 3 extra blocks
 PAD_FROM_ROWS = 12    # from here on rounding an expert's rows up to a whole block is cheaper than its tail
+TOKENS_FIRST_MAX_ROWS = 3   # up to here x @ W^T: MKL's few-row path reads W once, W @ x^T costs 2x from 2 rows
 
 
 def _prefers_weights_first(self: nn.Module, hidden_states: torch.Tensor) -> bool:
@@ -82,7 +85,10 @@ def _row_window(start: int, n: int, total: int) -> tuple[int, int]:
 def _weights_first_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], is_transposed: bool,
                           bias: torch.Tensor | None) -> torch.Tensor:
     """Per expert e, rows of x grouped by expert (counts[e] each): x_e @ W_e^T (+ b_e), computed as
-    (W_e @ x_e^T)^T. weight is [E, O, in] ([E, in, O] when is_transposed)."""
+    (W_e @ x_e^T)^T, or as written for at most TOKENS_FIRST_MAX_ROWS rows (batched decode's usual
+    case): there MKL's sgemm streams W once, and W @ x^T took twice as long from 2 rows on (one
+    DeepSeek-V2-Lite up projection, 2-3 rows: 0.71 ms against 1.72-1.81 ms on an Intel Xeon host,
+    docs/speed/sgemm_rows_tokens_first.txt). weight is [E, O, in] ([E, in, O] when is_transposed)."""
     out_dim = weight.size(2) if is_transposed else weight.size(1)
     out = x.new_empty(x.size(0), out_dim)                                 # [S, O]
     start = 0
@@ -90,8 +96,11 @@ def _weights_first_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[in
         if n == 0:
             continue
         w = weight[e].t() if is_transposed else weight[e]                 # [O, in]
-        lo, hi = _row_window(start, n, x.size(0))
-        rows = torch.mm(w, x[lo:hi].t()).t()[start - lo:start - lo + n]   # [n, O]
+        if n <= TOKENS_FIRST_MAX_ROWS:
+            rows = torch.mm(x[start:start + n], w.t())                    # [n, O]
+        else:
+            lo, hi = _row_window(start, n, x.size(0))
+            rows = torch.mm(w, x[lo:hi].t()).t()[start - lo:start - lo + n]   # [n, O]
         if bias is not None:
             rows = rows + bias[e]
         out[start:start + n] = rows
