@@ -19,7 +19,6 @@ import json
 import math
 import random
 import time
-from pathlib import Path
 
 import torch
 from tqdm import tqdm
