@@ -45,7 +45,7 @@ for shape in olmoe:olmoe-1b-7b qwen15moe:qwen1.5-moe-a2.7b; do
   done
 done
 # batched decode (batch 16) under a distinct-expert budget of half the unrestricted union, beside the
-# unmodified model and uniform top-k (docs/speed.md's batched-decode table; about 50 minutes)
+# unmodified model and uniform top-k (docs/speed.md's batched-decode table; about 15 minutes on a quiet host)
 python benchmarks/distinct_speed.py --num-layers "$NUM_LAYERS" --batch-size 16 --fraction 0.5 --input-len 64 \
   --output-len 32 --repeats "$REPEATS" --output-json "$OUT/distinct_batch16.json"
 echo "wrote $OUT"
