@@ -41,7 +41,8 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from machine import cpu_name  # noqa: E402
 
 import allocmoe  # noqa: E402
-from allocmoe.calibrate.distinct import distinct_profile, round_half_up  # noqa: E402
+from allocmoe.calibrate.distinct import distinct_profile  # noqa: E402
+from allocmoe.core.budget import round_half_up  # noqa: E402
 from allocmoe.core.files import atomic_write_json  # noqa: E402
 from allocmoe.measure.evaluate.perplexity import tokenize_windows  # noqa: E402
 from allocmoe.measure.report import save_png  # noqa: E402

@@ -38,13 +38,13 @@ import sys
 import time
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 from tqdm import tqdm
 
+from ..core.budget import read_fraction_or_count, round_half_up
 from ..core.config import check_counts, checked_config
 from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
@@ -83,15 +83,15 @@ def parse_distinct_budget(text: str | float, num_experts: int,
     rule as activation budgets: "/", "%" or a number <= 1 is a fraction."""
     raw = str(text).strip()
     try:
-        value = float(Fraction(raw[:-1])) / 100 if raw.endswith("%") else float(Fraction(raw))
-    except (ValueError, ZeroDivisionError, OverflowError):
+        value, is_fraction = read_fraction_or_count(raw)
+    except ValueError:
         raise AllocMoeError(f"--max-distinct-experts {raw!r} is not a number; give a fraction of the unrestricted "
                             f"union (0.5, 1/2, 50%) or an average count of distinct experts per layer and step "
                             f"(e.g. {num_experts // 2} of {num_experts})") from None
     if not value > 0 or not math.isfinite(value):
         raise AllocMoeError(f"--max-distinct-experts {raw!r} must be positive; give a fraction in (0, 1] or a "
                             f"count above 1 and at most {num_experts}")
-    if raw.endswith("%") or "/" in raw or value <= 1:
+    if is_fraction:
         if value > 1:
             raise AllocMoeError(f"--max-distinct-experts {raw!r} is a fraction above 1; give at most 1 (100%)")
         if round_half_up(value * num_layers * num_experts) < num_layers:     # whatever the union turns out to be
@@ -103,10 +103,6 @@ def parse_distinct_budget(text: str | float, num_experts: int,
         raise AllocMoeError(f"--max-distinct-experts {raw!r} is more than this model's {num_experts} experts per "
                             f"layer; give at most {num_experts}")
     return None, value
-
-
-def round_half_up(x: float) -> int:
-    return math.floor(x + 0.5)
 
 
 def distinct_total(fraction: float | None, count: float | None, union_mean: list[float], raw: str = "") -> int:

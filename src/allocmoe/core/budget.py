@@ -7,10 +7,29 @@ budget is L * K_orig and the smallest meaningful one is L (every layer keeps one
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from fractions import Fraction
 
 from ..errors import AllocMoeError
+
+
+def read_fraction_or_count(raw: str) -> tuple[float, bool]:
+    """(the number typed, whether it is a fraction): a value with "/" or "%", or a number <= 1, is a
+    fraction ("50%" -> 0.5); a number > 1 is a count. The one reading rule of every budget flag
+    (activations here, distinct experts in calibrate/distinct.py and bench). ValueError if not a number."""
+    try:
+        if raw.endswith("%"):
+            return float(Fraction(raw[:-1])) / 100, True
+        value = float(Fraction(raw))
+    except (ValueError, ZeroDivisionError, OverflowError):
+        raise ValueError(f"not a number: {raw!r}") from None
+    return value, "/" in raw or value <= 1
+
+
+def round_half_up(x: float) -> int:
+    """floor(x + 0.5): the rounding every count made from a fraction uses (as Alloc-T's does)."""
+    return math.floor(x + 0.5)
 
 
 @dataclass(frozen=True)
@@ -37,12 +56,8 @@ class Budget:
         full = num_layers * k_orig
         raw = str(text).strip()
         try:
-            if raw.endswith("%"):
-                value, is_fraction = float(Fraction(raw[:-1])) / 100, True
-            else:
-                value = float(Fraction(raw))
-                is_fraction = "/" in raw or value <= 1
-        except (ValueError, ZeroDivisionError, OverflowError):
+            value, is_fraction = read_fraction_or_count(raw)
+        except ValueError:
             raise AllocMoeError(
                 f"budget {raw!r} is not a number; give a fraction of the full budget (0.5, 1/2, 50%) "
                 f"or a count of activations per token (e.g. {full // 2} of {full})") from None

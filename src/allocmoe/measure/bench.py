@@ -29,18 +29,17 @@ one token. CPU timings use perf_counter; CUDA synchronises.
 from __future__ import annotations
 
 import contextlib
-import math
 import platform
 import resource
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from fractions import Fraction
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
+from ..core.budget import read_fraction_or_count, round_half_up
 from ..core.plan import Plan
 from ..core.policies import DistinctExperts
 from ..errors import AllocMoeError
@@ -217,15 +216,15 @@ def parse_max_distinct(text: str, num_experts: int) -> tuple[float | None, int |
     (None, count). Same rule as activation budgets: "/", "%" or a number <= 1 is a fraction."""
     raw = str(text).strip()
     try:
-        value = float(Fraction(raw[:-1])) / 100 if raw.endswith("%") else float(Fraction(raw))
-    except (ValueError, ZeroDivisionError, OverflowError):
+        value, is_fraction = read_fraction_or_count(raw)
+    except ValueError:
         raise AllocMoeError(f"--max-distinct-experts {raw!r} is not a number; give a fraction of the unrestricted "
                             f"union (0.5, 1/2, 50%) or a count of experts per layer and step (e.g. "
                             f"{num_experts // 2} of {num_experts})") from None
     if not value > 0:
         raise AllocMoeError(f"--max-distinct-experts {raw!r} must be positive; give a fraction in (0, 1] or a "
                             f"count between 2 and {num_experts}")
-    if raw.endswith("%") or "/" in raw or value <= 1:
+    if is_fraction:
         if value > 1:
             raise AllocMoeError(f"--max-distinct-experts {raw!r} is a fraction above 1; give at most 1 (100%)")
         return value, None
@@ -236,10 +235,6 @@ def parse_max_distinct(text: str, num_experts: int) -> tuple[float | None, int |
         raise AllocMoeError(f"--max-distinct-experts {raw!r} is more than this model's {num_experts} experts per "
                             f"layer; give at most {num_experts}")
     return None, int(value)
-
-
-def round_half_up(x: float) -> int:
-    return math.floor(x + 0.5)
 
 
 def distinct_plan_for(model, config: BenchConfig, fraction: float | None = None,
