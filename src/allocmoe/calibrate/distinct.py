@@ -54,7 +54,7 @@ from ..errors import AllocMoeError
 from ..measure.evaluate.perplexity import (check_decode_batch, default_seq_len, evaluate_perplexity,
                                            tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
-from .prefix import PrefixCacheUnsupported, PrefixStates, Step, layer_passes, step_layer_passes
+from .prefix import PrefixCacheUnsupported, PrefixStates, Step, cell_schedule, layer_passes, step_layer_passes
 from .profile import resumed_cells
 
 PROFILE_KIND = "distinct"
@@ -289,20 +289,8 @@ class _CellRun:
         self.passes, self.naive_passes, self.peak_cache_bytes = 0, 0, 0
 
     def _schedule(self, todo: list[tuple[int, int]]) -> list[Step]:
-        end = self.num_decoder_layers
-        if self.prefix is None:
-            return [Step("cell", 0, end, cell) for cell in todo]
-        steps, held_at, checked = [], 0, False
-        for cell in sorted(todo):
-            start = self.moe_layers[cell[0]]
-            if start > held_at:
-                steps.append(Step("advance", held_at, start))
-                held_at = start
-            if start > 0 and not checked:
-                steps.append(Step("check", start, end))
-                checked = True
-            steps.append(Step("cell", start, end, cell))
-        return steps
+        return cell_schedule(sorted(todo), lambda cell: self.moe_layers[cell[0]], self.num_decoder_layers,
+                             prefix_cache=self.prefix is not None)
 
     def planned_passes(self) -> int:
         return layer_passes(self.steps, self.tokens, self.check_tokens)

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Any, Callable, Iterator
 
 import torch
 from torch import nn
@@ -62,21 +62,31 @@ def start_position(configuration: tuple[int, ...], k_orig: int) -> int:
 
 def profile_schedule(configurations: list[tuple[int, ...]], moe_layers: list[int], num_decoder_layers: int,
                      k_orig: int, prefix_cache: bool = True) -> list[Step]:
-    """The passes that profile `configurations`, in order. Naive: each a full pass. Cached: grouped
-    by start position, the held states advanced to each group's decoder layer before its cells,
-    one check before the first cell that starts past the embedding."""
+    """The passes that profile `configurations`, in order (cell_schedule, each configuration
+    starting at its first MoE layer below K_orig)."""
+    return cell_schedule(configurations, lambda cfg: moe_layers[start_position(cfg, k_orig)], num_decoder_layers,
+                         prefix_cache)
+
+
+def cell_schedule(cells: list, start_layer: Callable[[Any], int], num_decoder_layers: int,
+                  prefix_cache: bool = True) -> list[Step]:
+    """The passes that run `cells`, in order; a cell first differs from the unmodified model at decoder
+    layer `start_layer(cell)`. Naive: each a full pass. Cached: grouped by start (stable: the given
+    order kept within a group), the held states advanced to each group's layer before its cells, one
+    check before the first cell that starts past the embedding. The Alloc-L profile and the
+    distinct-expert profile (distinct.py) both run through it."""
     if not prefix_cache:
-        return [Step("cell", 0, num_decoder_layers, cfg) for cfg in configurations]
+        return [Step("cell", 0, num_decoder_layers, cell) for cell in cells]
     steps, held_at, checked = [], 0, False
-    for cfg in sorted(configurations, key=lambda cfg: start_position(cfg, k_orig)):   # stable: k order kept
-        start = moe_layers[start_position(cfg, k_orig)]
+    for cell in sorted(cells, key=start_layer):
+        start = start_layer(cell)
         if start > held_at:
             steps.append(Step("advance", held_at, start))
             held_at = start
         if start > 0 and not checked:
             steps.append(Step("check", start, num_decoder_layers))
             checked = True
-        steps.append(Step("cell", start, num_decoder_layers, cfg))
+        steps.append(Step("cell", start, num_decoder_layers, cell))
     return steps
 
 
