@@ -250,14 +250,16 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
             index, keep, counts, outside, routed = _mixed_selection(policies, groups, cand_idx, cand_probs,
                                                                     scores.probs, valid, ctx.batch_size,
                                                                     ctx.decode_steps)
-        weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
-        for plan_index, rows in groups.items():
-            if means[plan_index] is not None:
-                tokens = _row_tokens(rows, hidden.size(0) // ctx.batch_size, valid.device) if len(groups) > 1 else None
-                sub_w, extra = substituted(adapter, router, scores, cand_idx, index, keep, renormalize, means[plan_index])
-                if tokens is None:
-                    weights, pending["extra"] = sub_w.to(weights.dtype), extra
-                else:
+        if sub_means is not None:                                             # one plan, with a substitute
+            weights, pending["extra"] = substituted(adapter, router, scores, cand_idx, index, keep, renormalize,
+                                                    sub_means)               # [T, W], [T, H]
+        else:
+            weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
+            for plan_index, rows in groups.items():                           # mixed plans: rows with a substitute
+                if means[plan_index] is not None:
+                    tokens = _row_tokens(rows, hidden.size(0) // ctx.batch_size, valid.device)
+                    sub_w, extra = substituted(adapter, router, scores, cand_idx, index, keep, renormalize,
+                                               means[plan_index])
                     weights[tokens] = sub_w[tokens].to(weights.dtype)
                     pending.setdefault("extra", torch.zeros_like(extra))[tokens] = extra[tokens]
         chosen, index = index, index.masked_fill(~keep, num_experts)         # [T, W] sentinel E where dropped
