@@ -1,11 +1,21 @@
-"""Measure expert means for a plan's substitute: one pass of the unmodified model over calibration text.
+"""Measure a plan's substitute: passes of the unmodified model over calibration text.
 
-For each MoE layer and routed expert e, the mean of e's output f_e(x) over the calibration tokens
-whose top-K_orig holds e (the tokens the full model sends to it), read where the model's own experts
-module runs, so every family's layout, activation and bias are respected. Unweighted: the plan's
-routing multiplies by each token's own gate weight at inference (routing/apply.py).
+For each MoE layer and routed expert e, over the calibration tokens whose top-K_orig holds e (the
+tokens the full model sends to it), read where the model's own experts module runs, so every
+family's layout, activation and bias are respected:
+- the mean of e's output f_e(x) (MoNE's substitute, rank 0);
+- with `rank` r > 0, also a rank-r linear term: the ridge least-squares map B_e from the centred
+  input to the centred output, cut to the r directions of its fitted output that carry the most
+  variance (reduced-rank regression): down_e = B_e V_r [H, r], up_e = V_r^T [r, H], where V_r
+  are the top r eigenvectors of B_e^T S_xx B_e. An expert seen on fewer than H tokens keeps the
+  mean alone (its down/up are zero): too few tokens to fit an H x H map.
+Unweighted: the plan's routing multiplies by each token's own gate weight at inference.
 
-Shape legend: T = tokens, K = K_orig, E = routed experts, H = hidden size.
+The fit needs each expert's input second moments: 2 x E x H x H float64 numbers per layer, so the
+layers are measured in as many passes as keep that under STATS_BYTES (one pass for small models;
+one layer per pass for a DeepSeek-V2-Lite-sized one).
+
+Shape legend: T = tokens, K = K_orig, E = routed experts, H = hidden size, r = rank.
 """
 
 from __future__ import annotations
@@ -13,41 +23,106 @@ from __future__ import annotations
 import torch
 from tqdm import tqdm
 
-from ..core.means import ExpertMeans
+from ..core.means import ExpertMeans, LinearTerm
+from ..errors import AllocMoeError
 from ..routing.adapters import adapter_for_model
 from ..routing.experts import compact_experts_forward
 
+RIDGE = 1e-2            # ridge strength, relative to the mean input variance: keeps rare directions from blowing up
+STATS_BYTES = 4 << 30   # second moments kept per pass (float64); more layers than fit take more passes
+
+
+class _Moments:
+    """Running sums for one layer: counts [E], sums of x and y [E, H], and with a rank x x^T, x y^T [E, H, H]."""
+
+    def __init__(self, num_experts: int, hidden: int, second: bool):
+        self.n = torch.zeros(num_experts, dtype=torch.float64)
+        self.sx = torch.zeros(num_experts, hidden, dtype=torch.float64)
+        self.sy = torch.zeros(num_experts, hidden, dtype=torch.float64)
+        self.sxx = torch.zeros(num_experts, hidden, hidden, dtype=torch.float64) if second else None
+        self.sxy = torch.zeros(num_experts, hidden, hidden, dtype=torch.float64) if second else None
+
+    def add(self, experts: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
+        """experts [P], x, y [P, H]: one (token, expert) pair per row."""
+        self.n += torch.bincount(experts, minlength=self.n.numel()).double()
+        self.sx.index_add_(0, experts, x)
+        self.sy.index_add_(0, experts, y)
+        if self.sxx is not None:
+            for e in experts.unique().tolist():
+                rows = experts == e
+                self.sxx[e] += x[rows].T @ x[rows]
+                self.sxy[e] += x[rows].T @ y[rows]
+
+    def means(self) -> torch.Tensor:
+        return (self.sy / self.n.clamp_min(1)[:, None]).float()                                # [E, H]
+
+    def linear(self, rank: int) -> LinearTerm:
+        num_experts, hidden = self.sx.shape
+        down = torch.zeros(num_experts, hidden, rank, dtype=torch.float64)
+        up = torch.zeros(num_experts, rank, hidden, dtype=torch.float64)
+        x_mean = self.sx / self.n.clamp_min(1)[:, None]                                         # [E, H]
+        y_mean = self.sy / self.n.clamp_min(1)[:, None]
+        for e in range(num_experts):
+            n = float(self.n[e])
+            if n < hidden:
+                continue
+            cov_xx = self.sxx[e] / n - torch.outer(x_mean[e], x_mean[e])                        # [H, H]
+            cov_xy = self.sxy[e] / n - torch.outer(x_mean[e], y_mean[e])
+            ridge = RIDGE * float(cov_xx.diagonal().mean().clamp_min(1e-12))
+            b = torch.linalg.solve(cov_xx + ridge * torch.eye(hidden, dtype=torch.float64), cov_xy)   # [H, H]
+            _, vectors = torch.linalg.eigh(b.T @ cov_xx @ b)                                    # ascending
+            top = vectors[:, -rank:].flip(-1)                                                   # [H, r]
+            down[e], up[e] = b @ top, top.T
+        return LinearTerm(input_mean=x_mean.float(), down=down.float(), up=up.float())
+
 
 @torch.no_grad()
-def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = False) -> ExpertMeans:
-    """Each expert's mean output over the calibration `windows` [N, S] routed to it at full K."""
+def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = False,
+                         rank: int = 0) -> ExpertMeans:
+    """Each expert's mean output (and with `rank` > 0 its rank-r linear term) over the calibration
+    `windows` [N, S] routed to it at full K."""
     adapter = adapter_for_model(model)
     layers = adapter.moe_layers(model)
     num_experts = adapter.num_experts()
-    sums: dict[int, torch.Tensor] = {}
-    counts: dict[int, torch.Tensor] = {}
+    hidden = model.config.hidden_size
+    if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= hidden:
+        raise AllocMoeError(f"the substitute's rank must be a whole number from 0 to the hidden size {hidden}, got "
+                            f"{rank!r}; give --substitute-rank 0..{hidden} (0: the means alone)")
+    per_layer = 2 * num_experts * hidden * hidden * 8 if rank else 0
+    per_pass = max(1, STATS_BYTES // per_layer) if per_layer else len(layers)
+    groups = [layers[i:i + per_pass] for i in range(0, len(layers), per_pass)]
+    moments: dict[int, _Moments] = {}
 
     def record(index: int):
         def hook(experts, args, kwargs):
-            hidden = args[0] if args else kwargs["hidden_states"]                    # [T, H]
+            states = args[0] if args else kwargs["hidden_states"]                      # [T, H]
             top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]       # [T, K]
             k = top_k_index.size(-1)
             pairs = top_k_index.reshape(-1, 1)                                      # [T*K, 1]
-            outputs = compact_experts_forward(experts, hidden.repeat_interleave(k, dim=0), pairs,
-                                              torch.ones(pairs.shape, dtype=hidden.dtype, device=hidden.device))
-            sums.setdefault(index, torch.zeros(num_experts, hidden.size(-1), dtype=torch.float64))
-            counts.setdefault(index, torch.zeros(num_experts, dtype=torch.float64))
-            sums[index].index_add_(0, pairs[:, 0].cpu(), outputs.double().cpu())   # [E, H]
-            counts[index] += torch.bincount(pairs[:, 0].cpu(), minlength=num_experts).double()
+            x = states.repeat_interleave(k, dim=0)                                  # [T*K, H]
+            outputs = compact_experts_forward(experts, x, pairs,
+                                              torch.ones(pairs.shape, dtype=states.dtype, device=states.device))
+            moments[index].add(pairs[:, 0].cpu(), x.double().cpu(), outputs.double().cpu())
         return hook
 
-    hooks = [layer.experts.register_forward_pre_hook(record(layer.index), with_kwargs=True) for layer in layers]
     device = next(model.parameters()).device
-    try:
-        for batch in tqdm(windows.split(batch_size), desc="expert means", unit="batch", disable=not progress):
-            model(input_ids=batch.to(device))
-    finally:
-        for hook in hooks:
-            hook.remove()
-    means = {index: (sums[index] / counts[index].clamp_min(1)[:, None]).float() for index in sums}
-    return ExpertMeans(means=means, tokens=int(windows.numel()))
+    bar = tqdm(total=len(groups) * len(windows.split(batch_size)), desc="expert means" + (f" + rank {rank}" if rank else ""),
+               unit="batch", disable=not progress)
+    means, linear = {}, {}
+    for group in groups:
+        moments.update({layer.index: _Moments(num_experts, hidden, rank > 0) for layer in group})
+        hooks = [layer.experts.register_forward_pre_hook(record(layer.index), with_kwargs=True) for layer in group]
+        try:
+            for batch in windows.split(batch_size):
+                model(input_ids=batch.to(device))
+                bar.update()
+        finally:
+            for hook in hooks:
+                hook.remove()
+        for layer in group:
+            means[layer.index] = moments[layer.index].means()
+            if rank:
+                linear[layer.index] = moments[layer.index].linear(rank)
+            del moments[layer.index]
+    bar.close()
+    return ExpertMeans(means=means, tokens=int(windows.numel()), linear=linear or None)

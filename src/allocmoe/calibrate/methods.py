@@ -12,8 +12,9 @@
               on calibration text, keeps the best, then refines it (the default method)
 
 Two add-ons work with any budget-exact method, and `auto` uses both by default (docs/quality.md):
-  substitute  each skipped candidate expert adds gate x its calibrated mean output (MoNE; the means
-              are measured on the unmodified model and saved beside the plan: calibrate/means.py)
+  substitute  each skipped candidate expert adds gate x a stand-in for its output: its calibrated mean
+              (MoNE) plus a rank-r least-squares linear term in the token (substitute_rank, default 8),
+              measured on the unmodified model and saved beside the plan: calibrate/means.py
   refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py)
 
 Profile-based methods (alloc-moe, alloc-l) are pure given the profile; the rest of the budget-exact
@@ -56,6 +57,8 @@ class AllocateConfig:
     progress: bool = True           # progress bar (stderr) for the methods that run the model: lexi, top-p, naee, auto
     substitute: bool | None = None  # add skipped experts' calibrated means back; None: auto tries both, others don't
     refine: int | None = None       # calibration passes for the joint refinement; None: AUTO_REFINE for auto, else 0
+    substitute_rank: int = 8        # rank of the least-squares linear term beside each mean (0: the means alone, MoNE);
+                                    # on the three shipped models rank 8 kept half the loss the means left (docs/quality.md)
 
     def __post_init__(self):
         if self.pool not in ("batch", "sequence"):
@@ -66,6 +69,9 @@ class AllocateConfig:
                                         or self.refine < 0):
             raise AllocMoeError(f"refine must be a whole number of calibration passes >= 0 (0 = off), got "
                                 f"{self.refine!r}")
+        if not isinstance(self.substitute_rank, int) or isinstance(self.substitute_rank, bool) or self.substitute_rank < 0:
+            raise AllocMoeError(f"substitute_rank must be a whole number >= 0 (0 = the means alone), got "
+                                f"{self.substitute_rank!r}")
         if self.substitute not in (None, True, False):
             raise AllocMoeError(f"substitute must be true, false or unset (auto decides), got {self.substitute!r}")
 
@@ -277,7 +283,7 @@ def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
 def _measure_means(model, windows, config: AllocateConfig):
     from .means import measure_expert_means
 
-    return measure_expert_means(model, windows, config.batch_size, progress=config.progress)
+    return measure_expert_means(model, windows, config.batch_size, progress=config.progress, rank=config.substitute_rank)
 
 
 def _refined(plan: Plan, model, windows, config: AllocateConfig, passes: int, memo) -> Plan:

@@ -41,6 +41,9 @@ def add_parsers(sub) -> None:
                    help="add each skipped expert's calibrated mean output back (saved beside the plan as "
                         "<name>.means.safetensors; allocmoe serve/generate/eval run it, vLLM and export do not); "
                         "default: auto tries with and without, other methods without")
+    p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
+                   help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
+                        "mean (default 8; 0: the means alone, as MoNE)")
     p.add_argument("--refine", type=non_negative_int, default=None, metavar="PASSES",
                    help="refine the allocation with at most this many calibration passes, resumable (0 = off; "
                         "default: 128 for auto, 0 for the other methods)")
@@ -111,13 +114,20 @@ def cmd_allocate(args) -> None:
     args.pool = args.pool or "batch"
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
                             seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet,
-                            substitute=args.substitute, refine=args.refine)
+                            substitute=args.substitute, refine=args.refine,
+                            **({} if args.substitute_rank is None else {"substitute_rank": args.substitute_rank}))
     substitute, refine = addons(args.method, config)
+    if args.substitute_rank is not None and not substitute:
+        raise AllocMoeError(f"--substitute-rank applies to the substitute, which --method {args.method} runs without "
+                            f"here; add --substitute, or drop --substitute-rank")
     if (substitute or refine) and args.method not in ADDON_METHODS:
         raise AllocMoeError(f"--method {args.method} cannot take --substitute or --refine (they need a budget-exact "
                             f"top-k allocation); use one of {', '.join(ADDON_METHODS)}, or drop those flags")
     spec = inspect(args)
     skeleton = spec.skeleton()
+    if substitute and config.substitute_rank > skeleton.config.hidden_size:
+        raise AllocMoeError(f"--substitute-rank {config.substitute_rank} is above this model's hidden size "
+                            f"{skeleton.config.hidden_size}; give {skeleton.config.hidden_size} or less")
     profile = load_profile(args.profile, skeleton) if args.profile else None
     fingerprint = spec.fingerprint()
     if args.budget is not None:
@@ -141,7 +151,8 @@ def cmd_allocate(args) -> None:
             progress=not args.quiet, prefix_cache=args.prefix_cache), calib_name=name)
     memo = SavedScores(f"{args.output}.refine.partial.json", {
         "model": fingerprint, "method": args.method, "budget": args.budget, "k_base": args.k_base, "pool": args.pool,
-        "substitute": args.substitute, "calibration": name, "calib_tokens": args.calib_tokens, "seq_len": seq_len,
+        "substitute": args.substitute, "substitute_rank": config.substitute_rank, "calibration": name,
+        "calib_tokens": args.calib_tokens, "seq_len": seq_len,
         "profile": profile["sensitivity"] if profile else None}) if refine and args.target_ppl is None else None
     plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok,
                     calib_text=text if calibrates else None, config=config, target_ppl=args.target_ppl,
@@ -174,7 +185,8 @@ def _allocate_distinct(args) -> None:
             raise AllocMoeError(f"both {flag} and --max-distinct-experts were given; give one: {flag} for activations "
                                 "per token, --max-distinct-experts for distinct experts per decode step")
     for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
-                        ("--pool", args.pool), ("--substitute", args.substitute), ("--refine", args.refine)):
+                        ("--pool", args.pool), ("--substitute", args.substitute), ("--substitute-rank", args.substitute_rank),
+                        ("--refine", args.refine)):
         if value is not None:
             raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "
                                 f"per step, from its own profile measured at --decode-batch); drop {flag}")

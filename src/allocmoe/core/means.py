@@ -2,13 +2,18 @@
 
 A plan made with `substitute` carries, per MoE layer, each routed expert's mean output over the
 calibration tokens whose top-K_orig held it, measured on the unmodified model (MoNE, arXiv
-2507.00390; calibrate/means.py measures them, routing/apply.py adds them). That is E x H numbers
-per layer: too many for JSON, so they live in a safetensors file beside the plan, and the plan names
-it and records its SHA-256. Loading reads tensors only (safetensors never executes anything), and
-refuses a file whose hash, layers or shapes do not match the plan.
+2507.00390; calibrate/means.py measures them, routing/apply.py adds them). With a rank r > 0 it
+also carries a rank-r linear term fitted by least squares on the same tokens, so a skipped expert
+is stood in for by an affine map of the token instead of a constant:
+    f_e(x) ~ mean_e + ((x - input_mean_e) @ down_e) @ up_e
+That is E x H (+ E x H x 2r) numbers per layer: too many for JSON, so they live in a safetensors
+file beside the plan, and the plan names it and records its SHA-256. Loading reads tensors only
+(safetensors never executes anything), and refuses a file whose hash, layers or shapes do not match.
 
-File shape: one float32 tensor per MoE layer, named `layer.<decoder layer index>`, shape [E, H];
-metadata {"format": "allocmoe-expert-means", "tokens": "<calibration tokens measured>"}.
+File shape: float32 tensors per MoE layer i (i = decoder layer index): `layer.<i>` [E, H], the
+means; with rank r > 0 also `layer.<i>.input_mean` [E, H], `layer.<i>.down` [E, H, r] and
+`layer.<i>.up` [E, r, H]. Metadata {"format": "allocmoe-expert-means", "tokens": "<calibration
+tokens measured>", "rank": "<r>"} (no rank: 0, files written before the linear term).
 """
 
 from __future__ import annotations
@@ -26,16 +31,44 @@ FORMAT = "allocmoe-expert-means"
 SUFFIX = ".means.safetensors"
 
 
+LINEAR_PARTS = ("input_mean", "down", "up")
+
+
+@dataclass
+class LinearTerm:
+    """One layer's rank-r least-squares term: f_e(x) - mean_e ~ ((x - input_mean_e) @ down_e) @ up_e."""
+    input_mean: torch.Tensor           # [E, H] each expert's mean input over its routed tokens
+    down: torch.Tensor                 # [E, H, r]
+    up: torch.Tensor                   # [E, r, H]
+
+    @property
+    def rank(self) -> int:
+        return int(self.down.shape[-1])
+
+    def shapes_fit(self, num_experts: int, hidden: int) -> bool:
+        r = self.rank
+        return (tuple(self.input_mean.shape) == (num_experts, hidden) and tuple(self.down.shape) == (num_experts, hidden, r)
+                and tuple(self.up.shape) == (num_experts, r, hidden))
+
+
 @dataclass
 class ExpertMeans:
     means: dict[int, torch.Tensor]     # decoder-layer index -> [E, H] float32, each expert's mean output
     tokens: int                        # calibration tokens the means were measured on
+    linear: dict[int, LinearTerm] | None = None   # rank-r linear terms per layer (None: the means alone, rank 0)
+
+    @property
+    def rank(self) -> int:
+        return next(iter(self.linear.values())).rank if self.linear else 0
 
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
 
         tensors = {f"layer.{index}": t.detach().float().cpu().contiguous() for index, t in sorted(self.means.items())}
-        return save(tensors, metadata={"format": FORMAT, "tokens": str(self.tokens)})
+        for index, term in sorted((self.linear or {}).items()):
+            for part in LINEAR_PARTS:
+                tensors[f"layer.{index}.{part}"] = getattr(term, part).detach().float().cpu().contiguous()
+        return save(tensors, metadata={"format": FORMAT, "tokens": str(self.tokens), "rank": str(self.rank)})
 
     def check_shape(self, layers: list[int], num_experts: int, hidden: int | None, what: str) -> None:
         """Refuse means that do not fit a model: other layers, another expert count or hidden size."""
@@ -47,6 +80,11 @@ class ExpertMeans:
             if tuple(t.shape) != want:
                 raise AllocMoeError(f"{what}: layer {index}'s means have shape {tuple(t.shape)}, the model needs "
                                     f"{want} (experts x hidden size); recreate the plan for this model")
+            term = (self.linear or {}).get(index)
+            if term is not None and not term.shapes_fit(*want):
+                raise AllocMoeError(f"{what}: layer {index}'s linear term has shapes {tuple(term.down.shape)} and "
+                                    f"{tuple(term.up.shape)}, the model needs {want[0]} x {want[1]} x rank; "
+                                    "recreate the plan for this model")
 
 
 def sidecar_name(plan_path: str | Path) -> str:
@@ -77,18 +115,35 @@ def read_means(path: Path, sha256: str, what: str) -> ExpertMeans:
         tensors = load(data)
     except (SafetensorError, ValueError) as exc:        # unreachable with a matching hash, unless written so
         raise AllocMoeError(f"{what}'s means file {path} is not a safetensors file ({exc}); {fix}") from None
-    means = {}
+    means, parts = {}, {}
     for name, t in tensors.items():
-        index = name.removeprefix("layer.")
-        if not index.isdigit() or t.dim() != 2 or t.dtype != torch.float32 or not bool(torch.isfinite(t).all()):
+        index, _, part = name.removeprefix("layer.").partition(".")
+        dims = 3 if part in ("down", "up") else 2
+        if (not name.startswith("layer.") or not index.isdigit() or part not in ("",) + LINEAR_PARTS
+                or t.dim() != dims or t.dtype != torch.float32 or not bool(torch.isfinite(t).all())):
             raise AllocMoeError(f"{what}'s means file {path} holds {name!r} {tuple(t.shape)} {t.dtype}, not a finite "
-                                f"float32 [experts, hidden] tensor named layer.<index>; {fix}")
-        means[int(index)] = t
+                                f"float32 tensor named layer.<index>[.input_mean|.down|.up]; {fix}")
+        if part:
+            parts.setdefault(int(index), {})[part] = t
+        else:
+            means[int(index)] = t
     from safetensors import safe_open
 
     with safe_open(str(path), "pt") as f:
         meta = f.metadata() or {}
-    tokens = meta.get("tokens", "")
-    if meta.get("format") != FORMAT or not tokens.isdigit():
+    tokens, rank = meta.get("tokens", ""), meta.get("rank", "0")
+    if meta.get("format") != FORMAT or not tokens.isdigit() or not rank.isdigit():
         raise AllocMoeError(f"{what}'s means file {path} is not an allocmoe expert-means file; {fix}")
-    return ExpertMeans(means=means, tokens=int(tokens))
+    linear = {}
+    for index, found in parts.items():
+        if sorted(found) != sorted(LINEAR_PARTS) or index not in means:
+            raise AllocMoeError(f"{what}'s means file {path}: layer {index}'s linear term is incomplete (holds "
+                                f"{sorted(found)}); {fix}")
+        linear[index] = LinearTerm(**found)
+        if linear[index].rank != int(rank) or not linear[index].shapes_fit(*means[index].shape):
+            raise AllocMoeError(f"{what}'s means file {path}: layer {index}'s linear term does not have rank {rank} "
+                                f"and the means' {tuple(means[index].shape)} shape; {fix}")
+    if int(rank) and sorted(linear) != sorted(means):
+        raise AllocMoeError(f"{what}'s means file {path} has rank {rank} but linear terms for layers {sorted(linear)} "
+                            f"only, not {sorted(means)}; {fix}")
+    return ExpertMeans(means=means, tokens=int(tokens), linear=linear or None)

@@ -37,7 +37,7 @@ from torch import nn
 from .adapters import MoEAdapter, MoELayer, adapter_for_model
 from ..errors import AllocMoeError
 from .experts import compact_experts_forward
-from .substitute import experts_forward, layer_means, skipped_means, substituted
+from .substitute import LayerSubstitute, experts_forward, layer_substitute, substituted
 from ..core.plan import Plan
 from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distinct_per_step,
                              expected_alloc_t_activations, prefix_mask, token_steps)
@@ -206,9 +206,9 @@ def _kept_first(index: torch.Tensor, keep: torch.Tensor, cand_idx: torch.Tensor,
 
 def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy], k_orig: int,
                     ctx: RoutingContext, stats: LayerStats, renormalize: bool | None,
-                    means: list[torch.Tensor | None], pending: dict):
+                    means: list[LayerSubstitute | None], pending: dict):
     """`policies[i]` is this layer's policy under installed plan i (the list grows as plans are added);
-    `means[i]` its substitute's expert means [E, H] or None. What a substitute adds is left in
+    `means[i]` its substitute's stand-ins for skipped experts, or None. What a substitute adds is left in
     `pending["extra"]` for the experts' forward (routing/substitute.py) to add to its output."""
     router, num_experts = layer.router, adapter.num_experts()
 
@@ -225,7 +225,7 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
             if static_k < k_orig and sub_means is not None:                   # + substitute for the skipped slots
                 index = scores.ranking.topk(k_orig, dim=-1).indices           # [T, K]
                 full = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
-                pending["extra"] = skipped_means(full[:, static_k:], index[:, static_k:], sub_means)   # [T, H]
+                pending["extra"] = sub_means.skipped(full[:, static_k:], index[:, static_k:], hidden)   # [T, H]
                 index, weights = index[:, :static_k], full[:, :static_k]     # kept at their full-K weights
             else:
                 index = scores.ranking.topk(static_k, dim=-1).indices         # [T, k]
@@ -252,14 +252,14 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
                                                                     ctx.decode_steps)
         if sub_means is not None:                                             # one plan, with a substitute
             weights, pending["extra"] = substituted(adapter, router, scores, cand_idx, index, keep, renormalize,
-                                                    sub_means)               # [T, W], [T, H]
+                                                    sub_means, hidden)       # [T, W], [T, H]
         else:
             weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
             for plan_index, rows in groups.items():                           # mixed plans: rows with a substitute
                 if means[plan_index] is not None:
                     tokens = _row_tokens(rows, hidden.size(0) // ctx.batch_size, valid.device)
                     sub_w, extra = substituted(adapter, router, scores, cand_idx, index, keep, renormalize,
-                                               means[plan_index])
+                                               means[plan_index], hidden)
                     weights[tokens] = sub_w[tokens].to(weights.dtype)
                     pending.setdefault("extra", torch.zeros_like(extra))[tokens] = extra[tokens]
         chosen, index = index, index.masked_fill(~keep, num_experts)         # [T, W] sentinel E where dropped
@@ -291,7 +291,7 @@ class PlanHandle:
 
     def __init__(self, model: nn.Module, plans: list[Plan], layers: list[MoELayer], ctx: RoutingContext,
                  stats: dict[int, LayerStats], hook, policies: dict[int, list[Policy]], k_orig: int,
-                 means: dict[int, list[torch.Tensor | None]]):
+                 means: dict[int, list[LayerSubstitute | None]]):
         self.model, self.plans, self.context = model, plans, ctx
         self._layers, self._stats, self._hook = layers, stats, hook
         self._policies, self._k_orig, self._means = policies, k_orig, means
@@ -311,7 +311,7 @@ class PlanHandle:
         plan.check_model(self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
-        added = {layer.index: layer_means(plan, layer) for layer in self._layers}
+        added = {layer.index: layer_substitute(plan, layer) for layer in self._layers}
         for layer in self._layers:
             self._policies[layer.index].append(plan.layers[layer.index])
             self._means[layer.index].append(added[layer.index])
@@ -421,7 +421,7 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
     for layer in layers:
         for policy in policies[layer.index]:
             policy.check(k_orig)
-    means = {layer.index: [layer_means(plan, layer) for plan in plans] for layer in layers}
+    means = {layer.index: [layer_substitute(plan, layer) for plan in plans] for layer in layers}
     for layer in layers:
         pending: dict = {}          # the layer's substitute, handed from its router to its experts in a pass
         _set_forward(layer.router, _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,

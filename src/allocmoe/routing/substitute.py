@@ -2,15 +2,23 @@
 
 A plan with means (`plan.means`, core/means.py) keeps its experts at the weights the full model gives
 them (for renormalising routers, normalised over the original top-K_orig, not the kept set) and adds,
-per token, the sum over its skipped top-K_orig candidates of weight x that expert's calibrated mean
-output. The router's forward (routing/apply.py) computes it and leaves it in the layer's `pending`
-dict; the experts' forward here adds it to their output in the same pass.
+per token, the sum over its skipped top-K_orig candidates of weight x that expert's stand-in: its
+calibrated mean output, plus with a rank-r linear term ((x - input_mean) @ down) @ up. The router's
+forward (routing/apply.py) computes it and leaves it in the layer's `pending` dict; the experts'
+forward here adds it to their output in the same pass.
+
+The stand-in is affine in x, so it is kept folded: offset_e = mean_e - (input_mean_e @ down_e) @ up_e,
+and stand_in_e(x) = offset_e + (x @ down_e) @ up_e. Per token that is 2 x H x r multiply-adds per
+skipped slot (gathered, decode) or 2 x H x E x r for all experts at once (dense, prefill); an expert
+costs 3 x H x I.
 
 Shape legend: T = tokens, E = routed experts, K = K_orig, W = selected slots, S = skipped slots,
-H = hidden size.
+H = hidden size, r = rank of the linear term.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -22,25 +30,51 @@ from .adapters import MoEAdapter, MoELayer
 from .experts import compact_experts_forward
 
 
+@dataclass
+class LayerSubstitute:
+    """One layer's stand-ins for skipped experts, folded for inference (see the module docstring)."""
+    offset: torch.Tensor               # [E, H] mean_e - (input_mean_e @ down_e) @ up_e (the means at rank 0)
+    down: torch.Tensor | None = None   # [E, H, r]
+    up: torch.Tensor | None = None     # [E, r, H]
+
+    GATHER_MAX = 1 << 22               # gathered slots' elements up to which the per-slot path runs
+
+    def dense(self, weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """sum over e of weights[t, e] x stand_in_e(x_t): weights [T, E] (0 where not skipped) -> [T, H]."""
+        weights = weights.to(self.offset.dtype)
+        out = weights @ self.offset
+        if self.down is not None:
+            num_experts, hidden_size, rank = self.down.shape
+            z = hidden.to(self.offset.dtype) @ self.down.permute(1, 0, 2).reshape(hidden_size, num_experts * rank)
+            z = (z.view(-1, num_experts, rank) * weights[:, :, None]).reshape(-1, num_experts * rank)   # [T, E*r]
+            out = out + z @ self.up.reshape(num_experts * rank, hidden_size)
+        return out
+
+    def skipped(self, weights: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """The same over a token's skipped slots: weights, index [T, S] -> [T, H]. Gathered per slot
+        when that is small (decode), else through the dense [T, E] form (prefill)."""
+        num_tokens, slots = index.shape
+        rank = 1 if self.down is None else self.down.size(-1)
+        weights = weights.to(self.offset.dtype)
+        if num_tokens * slots * self.offset.size(-1) * rank > self.GATHER_MAX:
+            dense = torch.zeros(num_tokens, self.offset.size(0), dtype=weights.dtype, device=weights.device)
+            return self.dense(dense.scatter_add_(1, index, weights), hidden)
+        out = torch.einsum("ts,tsh->th", weights, self.offset[index])
+        if self.down is not None:
+            z = torch.einsum("th,tshr->tsr", hidden.to(weights.dtype), self.down[index]) * weights[:, :, None]
+            out = out + torch.einsum("tsr,tsrh->th", z, self.up[index])
+        return out
+
+
 def substituted(adapter: MoEAdapter, router, scores, cand_idx: torch.Tensor, index: torch.Tensor,
-                 keep: torch.Tensor, renormalize: bool | None, means: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                keep: torch.Tensor, renormalize: bool | None, substitute: LayerSubstitute,
+                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Under a substitute: the kept experts' weights [T, W] as the full model gives them, and what the
-    skipped candidates add, sum over skipped e of weight_e x mean_e ([T, H])."""
+    skipped candidates add, sum over skipped e of weight_e x stand_in_e(x) ([T, H])."""
     full = adapter.combine(router, scores, cand_idx, torch.ones_like(cand_idx, dtype=torch.bool), renormalize)  # [T, K]
     dense = torch.zeros_like(scores.probs, dtype=full.dtype).scatter_(1, cand_idx, full)                      # [T, E]
     kept = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, index, keep)                                 # [T, E]
-    extra = dense.masked_fill(kept, 0.0) @ means.to(device=dense.device, dtype=dense.dtype)                 # [T, H]
-    return dense.gather(1, index) * keep, extra
-
-
-def skipped_means(weights: torch.Tensor, index: torch.Tensor, means: torch.Tensor) -> torch.Tensor:
-    """sum over a token's skipped slots of weight x that expert's mean: weights, index [T, S] -> [T, H].
-    Gathered per slot when that is small (decode), else as a dense [T, E] x [E, H] product (prefill)."""
-    num_tokens, slots = index.shape
-    if num_tokens * slots * means.size(-1) <= 1 << 22:
-        return torch.einsum("ts,tsh->th", weights.to(means.dtype), means[index])
-    dense = torch.zeros(num_tokens, means.size(0), dtype=means.dtype, device=means.device)
-    return dense.scatter_add_(1, index, weights.to(means.dtype)) @ means
+    return dense.gather(1, index) * keep, substitute.dense(dense.masked_fill(kept, 0.0), hidden)
 
 
 def experts_forward(experts: nn.Module, pending: dict):
@@ -52,8 +86,8 @@ def experts_forward(experts: nn.Module, pending: dict):
     return forward
 
 
-def layer_means(plan: Plan, layer: MoELayer) -> torch.Tensor | None:
-    """The plan's means [E, H] for `layer`, on the layer's device (so a pass moves nothing), or None."""
+def layer_substitute(plan: Plan, layer: MoELayer) -> LayerSubstitute | None:
+    """The plan's stand-ins for `layer`, folded, on the layer's device (so a pass moves nothing), or None."""
     if plan.means is None:
         if plan.substitute:
             raise AllocMoeError("the plan adds back skipped experts' means but they were not loaded (a plan built "
@@ -64,4 +98,8 @@ def layer_means(plan: Plan, layer: MoELayer) -> torch.Tensor | None:
                             "token's own top-K); make the plan without --substitute")
     means = plan.means.means[layer.index]
     device = next((p.device for p in layer.experts.parameters() if p.device.type != "meta"), means.device)
-    return means.to(device)
+    term = (plan.means.linear or {}).get(layer.index)
+    if term is None:
+        return LayerSubstitute(offset=means.to(device))
+    offset = means - torch.einsum("er,erh->eh", torch.einsum("eh,ehr->er", term.input_mean, term.down), term.up)
+    return LayerSubstitute(offset=offset.to(device), down=term.down.to(device), up=term.up.to(device))

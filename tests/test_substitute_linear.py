@@ -1,0 +1,170 @@
+"""The substitute's rank-r linear term: fitted as reduced-rank ridge regression, added back as written."""
+
+import hashlib
+import json
+
+import pytest
+import torch
+
+from allocmoe import AllocMoeError, Plan, StaticTopK, apply_plan, model_fingerprint
+from allocmoe.calibrate.means import RIDGE, measure_expert_means
+from allocmoe.cli import main
+from allocmoe.core.means import ExpertMeans, LinearTerm, read_means
+from allocmoe.routing.substitute import LayerSubstitute
+from conftest import COMMON, build_tiny
+
+
+def plan_of(model, k):
+    fp = model_fingerprint(model)
+    return Plan(model=fp, layers={i: StaticTopK(k) for i in fp["moe_layers"]}, method="test",
+                budget=float(k * fp["num_moe_layers"]))
+
+
+def routed_pairs(model, windows, layer_index):
+    """(inputs [T, H], top-K experts [T, K]) the unmodified model hands layer `layer_index`'s experts."""
+    seen = []
+    experts = model.model.layers[layer_index].mlp.experts
+    hook = experts.register_forward_pre_hook(lambda m, args: seen.append((args[0], args[1])))
+    with torch.no_grad():
+        for batch in windows.split(4):
+            model(batch)
+    hook.remove()
+    return torch.cat([h for h, _ in seen]), torch.cat([i for _, i in seen])
+
+
+def expert_output(experts, x, e):
+    """OLMoE's expert e, written out: down(silu(gate x) * up x)."""
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+
+
+@pytest.mark.parametrize("rank", [3, COMMON["hidden_size"]])
+@torch.no_grad()
+def test_the_linear_term_is_the_reduced_rank_ridge_fit_of_each_experts_routed_tokens(rank):
+    """Brute force on the recorded (input, output) pairs: at full rank down @ up is the ridge solution
+    of the augmented least-squares system; at rank r, the fitted outputs are the best rank-r
+    approximation (SVD) of the full-rank fitted outputs."""
+    model = build_tiny("olmoe")
+    windows = torch.randint(0, COMMON["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(4))
+    hidden = COMMON["hidden_size"]
+    fitted = measure_expert_means(model, windows, batch_size=4, rank=rank)
+    assert fitted.rank == rank
+    h, idx = routed_pairs(model, windows, 1)
+    term, experts = fitted.linear[1], model.model.layers[1].mlp.experts
+    checked = 0
+    for e in range(model.config.num_experts):
+        rows = (idx == e).any(-1)
+        x, y = h[rows].double(), expert_output(experts, h[rows], e).double()
+        if rows.sum() < hidden:                                        # too few tokens: the mean alone
+            assert torch.equal(term.down[e], torch.zeros_like(term.down[e]))
+            continue
+        xc, yc = x - x.mean(0), y - y.mean(0)
+        torch.testing.assert_close(term.input_mean[e].double(), x.mean(0), rtol=1e-5, atol=1e-6)
+        ridge = RIDGE * float((xc ** 2).sum(0).mean())                 # relative to the mean input variance, x n
+        augmented = torch.cat([xc, ridge ** 0.5 * torch.eye(hidden, dtype=torch.float64)])
+        target = torch.cat([yc, torch.zeros(hidden, hidden, dtype=torch.float64)])
+        b = torch.linalg.lstsq(augmented, target).solution                      # [H, H]
+        got = xc @ term.down[e].double() @ term.up[e].double()                  # [n, H]
+        if rank == hidden:
+            torch.testing.assert_close(term.down[e].double() @ term.up[e].double(), b, rtol=1e-3, atol=1e-4)
+        u, s, vh = torch.linalg.svd(xc @ b, full_matrices=False)
+        best = u[:, :rank] * s[:rank] @ vh[:rank]
+        torch.testing.assert_close(got, best, rtol=1e-3, atol=1e-4)
+        checked += 1
+    assert checked >= 4
+
+
+@torch.no_grad()
+def test_a_plan_adds_back_mean_plus_linear_term_for_each_skipped_candidate():
+    """OLMoE does not renormalise, so the kept experts' weights are the router's own; what the plan's
+    layer outputs beyond the cut plan is, by hand, sum over skipped e of p_e (mean_e + (x - xbar_e) D_e U_e)."""
+    model = build_tiny("olmoe")
+    fp = model_fingerprint(model)
+    gen = torch.Generator().manual_seed(1)
+    num_experts, hidden, rank = fp["num_experts"], COMMON["hidden_size"], 4
+    means = ExpertMeans({i: torch.randn(num_experts, hidden, generator=gen) for i in fp["moe_layers"]}, tokens=5,
+                        linear={i: LinearTerm(torch.randn(num_experts, hidden, generator=gen),
+                                              torch.randn(num_experts, hidden, rank, generator=gen) / 4,
+                                              torch.randn(num_experts, rank, hidden, generator=gen) / 4)
+                                for i in fp["moe_layers"]})
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 7), generator=gen)
+    block = model.model.layers[1].mlp
+    seen = {}
+    hook = block.register_forward_hook(lambda m, args, out: seen.setdefault("io", []).append((args[0], out)))
+    cut, with_sub = plan_of(model, 1), plan_of(model, 1)
+    with_sub.means = means
+    for plan in (cut, with_sub):
+        with apply_plan(model, plan):
+            model(ids)
+    hook.remove()
+    _, (x_sub, out_sub) = seen["io"]                                 # the substituted pass's layer 1
+    x = x_sub.reshape(-1, hidden)
+    probs = torch.softmax(x @ block.gate.weight.T, -1)
+    top_p, top_e = probs.topk(fp["k_orig"], dim=-1)
+    with apply_plan(model, cut):
+        plain = block(x_sub)                                           # the cut plan on the same inputs
+    term = means.linear[1]
+    expected = plain.reshape(-1, hidden).clone()
+    for t in range(x.size(0)):
+        for slot in range(1, fp["k_orig"]):
+            e = int(top_e[t, slot])
+            stand_in = means.means[1][e] + (x[t] - term.input_mean[e]) @ term.down[e] @ term.up[e]
+            expected[t] += top_p[t, slot] * stand_in
+    torch.testing.assert_close(out_sub.reshape(-1, hidden), expected, rtol=1e-4, atol=1e-4)
+
+
+def test_gathered_and_dense_paths_agree():
+    gen = torch.Generator().manual_seed(2)
+    sub = LayerSubstitute(torch.randn(6, 10, generator=gen), torch.randn(6, 10, 3, generator=gen),
+                          torch.randn(6, 3, 10, generator=gen))
+    weights, index = torch.rand(5, 2, generator=gen), torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(5)])
+    hidden = torch.randn(5, 10, generator=gen)
+    gathered = sub.skipped(weights, index, hidden)
+    dense = sub.dense(torch.zeros(5, 6).scatter_(1, index, weights), hidden)
+    by_hand = torch.stack([sum(weights[t, s] * (sub.offset[index[t, s]] + hidden[t] @ sub.down[index[t, s]]
+                                                @ sub.up[index[t, s]]) for s in range(2)) for t in range(5)])
+    torch.testing.assert_close(gathered, by_hand, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(dense, by_hand, rtol=1e-5, atol=1e-5)
+
+
+def test_the_linear_term_travels_in_the_means_file_and_a_broken_one_is_refused(tmp_path):
+    model = build_tiny("olmoe")
+    windows = torch.randint(0, COMMON["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(6))
+    plan = plan_of(model, 2)
+    plan.means = measure_expert_means(model, windows, rank=2)
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json", model)
+    assert loaded.means.rank == 2
+    for index, term in plan.means.linear.items():
+        for part in ("input_mean", "down", "up"):
+            assert torch.equal(getattr(loaded.means.linear[index], part), getattr(term, part))
+
+    from safetensors.torch import load, save
+    sidecar = tmp_path / "p.means.safetensors"
+    tensors = load(sidecar.read_bytes())
+    del tensors["layer.1.up"]                                         # a term without its up projection
+    data = save(tensors, metadata={"format": "allocmoe-expert-means", "tokens": "5", "rank": "2"})
+    sidecar.write_bytes(data)
+    with pytest.raises(AllocMoeError, match="layer 1's linear term is incomplete"):
+        read_means(sidecar, hashlib.sha256(data).hexdigest(), "plan")
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--method", "uniform", "--substitute-rank", "4"], "--substitute-rank applies to the substitute"),
+    (["--method", "auto", "--no-substitute", "--substitute-rank", "4"], "--substitute-rank applies to the substitute"),
+    (["--method", "uniform", "--substitute", "--substitute-rank", "33"], "above this model's hidden size 32"),
+])
+def test_a_rank_without_a_substitute_or_above_the_hidden_size_is_refused(tiny_folder, tmp_path, capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_:
+        main(["allocate", "--model", str(tiny_folder), "--budget", "0.5", "--output", str(tmp_path / "p.json"),
+              *argv])
+    assert exit_.value.code == 2 and message in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_cli_writes_the_rank_it_was_given(tiny_folder, tmp_path):
+    out = tmp_path / "half.json"
+    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
+          "--substitute-rank", "3", "--seq-len", "64", "--calib-tokens", "512", "--output", str(out), "--quiet"])
+    assert Plan.load(out).means.rank == 3
+    assert json.loads(out.read_text())["substitute"]["tokens"] > 0
