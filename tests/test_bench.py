@@ -147,6 +147,24 @@ def test_bench_cli_times_a_distinct_budget_beside_uniform(tiny_folder, tmp_path,
     assert "| distinct (M 2) |" in err and "| uniform top-" in err and "decode tok/s" in err
 
 
+def test_bench_times_a_plan_with_a_substitute_beside_its_twin_without_it(tiny_folder, tmp_path, capsys):
+    plan_file, out = tmp_path / "half.json", tmp_path / "bench.json"
+    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
+          "--refine", "0", "--seq-len", "64", "--calib-tokens", "256", "--output", str(plan_file), "--quiet"])
+    main(["bench", "--model", str(tiny_folder), "--plan", str(plan_file), "--batch-size", "2", "--input-len", "8",
+          "--output-len", "3", "--repeats", "2", "--warmup", "0", "--quiet", "--output", str(out)])
+    result, err = json.loads(out.read_text()), capsys.readouterr().err
+    rows = result["configurations"]
+    assert list(rows) == ["full", "plan", "twin", "off"]
+    assert rows["twin"]["activations_per_token"] == rows["plan"]["activations_per_token"] == pytest.approx(6.0)
+    for phase in ("prefill", "decode"):
+        t = result["timings_seconds"]
+        cost = result["substitute_cost"][phase]
+        assert cost["ratio"] == pytest.approx(t["plan"][phase]["median"] / t["twin"][phase]["median"])
+        assert cost["rank"] == 8
+    assert "without its substitute" in err and "substitute (rank 8): prefill" in err
+
+
 @torch.no_grad()
 def test_generations_taking_turns_match_generate_under_each_configuration():
     # the benchmark switches configuration before every call; each generation must still be the

@@ -249,7 +249,8 @@ def cmd_bench(args) -> None:
     else:
         spec = inspect(args)
     distinct = is_distinct_plan(plan) if plan is not None else args.max_distinct_experts is not None
-    check_memory(_Shape(spec.config, dtype, device), config, caches=4 if distinct else 3)   # before building or loading
+    check_memory(_Shape(spec.config, dtype, device), config,                 # before building or loading
+                 caches=3 + distinct + (plan is not None and plan.means is not None))
     positions = args.input_len + args.output_len
     if spec.context is not None and positions > spec.context:
         raise AllocMoeError(f"--input-len {args.input_len} + --output-len {args.output_len} = {positions} positions, "
@@ -287,3 +288,7 @@ def cmd_bench(args) -> None:
           f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "
           f"at {result['measured_activations_per_token']:.2f} of "
           f"{result['model']['num_moe_layers'] * result['model']['k_orig']} activations/token", file=sys.stderr)
+    if "substitute_cost" in result:
+        cost = result["substitute_cost"]
+        print(f"substitute (rank {cost['decode']['rank']}): prefill {cost['prefill']['ratio']:.3f}x, decode "
+              f"{cost['decode']['ratio']:.3f}x the time of the same plan without it", file=sys.stderr)

@@ -2,7 +2,9 @@
 off, measured side by side in one run: after warm-up, the configurations take turns call by call
 (each prefill, then each decode step), so a slow spell on a shared host slows them all alike.
 A distinct-expert plan (at most M_l distinct experts per decode step in layer l) is timed beside
-uniform top-k at the activations per token it spends, rounded to a whole k.
+uniform top-k at the activations per token it spends, rounded to a whole k. A plan with a substitute
+(stand-ins for skipped experts, routing/substitute.py) is timed beside its twin without it, the
+same experts at the same activations: `substitute_cost` is their ratio, what the substitute adds.
 
 The full model keeps its own routing but runs its experts through allocmoe's kernel, as the plans
 do, so the speedup is the budget's alone (cpu_speed.py reports the kernel's gain separately).
@@ -29,6 +31,7 @@ one token. CPU timings use perf_counter; CUDA synchronises.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import platform
 import resource
 import statistics
@@ -264,7 +267,8 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     if uniform_beside is None:
         uniform_beside = is_distinct_plan(plan)
-    check_memory(model, config, caches=4 if uniform_beside else 3)
+    twin = plan.means is not None
+    check_memory(model, config, caches=3 + uniform_beside + twin)
     device = next(model.parameters()).device
     ids = prompt_ids(model, config)
     if device.type == "cuda":
@@ -277,8 +281,11 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
         uniform_k = min(k_orig, max(1, round_half_up(counted["plan"]["activations_per_token"] / num_layers)))
         plans["uniform"] = static_plan(model, [uniform_k] * num_layers, method="uniform")
         counted["uniform"] = count_decode(model, plans["uniform"], ids, config.output_len)
+    if twin:                                  # the same experts without the substitute
+        plans["twin"] = dataclasses.replace(plan, means=None, substitute=None)
+        counted["twin"] = count_decode(model, plans["twin"], ids, config.output_len)
     counted["full"] = count_decode(model, plans["full"], ids, config.output_len)
-    names = ["full", "plan", *(["uniform"] if uniform_beside else []), "off"]
+    names = ["full", "plan", *(["twin"] if twin else []), *(["uniform"] if uniform_beside else []), "off"]
 
     spent = {"activations": 0.0, "tokens": 0}     # the plan's, over every call it ran
 
@@ -376,6 +383,12 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                 row["decode_share_of_ideal_gain_paired"] = _paired_share(samples, "decode", name, b)
         configurations[name] = row
     result["configurations"] = configurations
+    if twin:
+        result["substitute_cost"] = {
+            phase: {"ratio": timings["plan"][phase]["median"] / timings["twin"][phase]["median"],
+                    "ratio_paired": statistics.median(p / t for p, t in zip(samples["plan"][phase], samples["twin"][phase])),
+                    "rank": plan.means.rank}
+            for phase in ("prefill", "decode")}
     for name, phases in timings.items():
         for phase, summary in phases.items():
             summary["samples"] = samples[name][phase]
@@ -410,10 +423,12 @@ def _label(name: str, plan: Plan | None, k_orig: int) -> str:
         return "routed experts off"
     if name == "uniform":
         return f"uniform top-{next(iter(plan.layers.values())).k}"
+    if name == "twin":
+        return f"{plan.method} (budget {plan.budget:g}) without its substitute"
     if is_distinct_plan(plan):
         ms = sorted({p.max_experts for p in plan.layers.values() if isinstance(p, DistinctExperts)})
         return f"{plan.method} (M {ms[0]}" + (f"-{ms[-1]})" if len(ms) > 1 else ")")
-    return f"{plan.method} (budget {plan.budget:g})"
+    return f"{plan.method} (budget {plan.budget:g})" + (" with its substitute" if plan.means is not None else "")
 
 
 def format_table(result: dict[str, Any]) -> str:
