@@ -113,7 +113,7 @@ def test_a_plan_adds_back_mean_plus_linear_term_for_each_skipped_candidate():
     torch.testing.assert_close(out_sub.reshape(-1, hidden), expected, rtol=1e-4, atol=1e-4)
 
 
-def test_gathered_and_dense_paths_agree():
+def test_gathered_grouped_and_dense_paths_agree_with_a_hand_sum():
     gen = torch.Generator().manual_seed(2)
     sub = LayerSubstitute(torch.randn(6, 10, generator=gen), torch.randn(6, 10, 3, generator=gen),
                           torch.randn(6, 3, 10, generator=gen))
@@ -121,10 +121,13 @@ def test_gathered_and_dense_paths_agree():
     hidden = torch.randn(5, 10, generator=gen)
     gathered = sub.skipped(weights, index, hidden)
     dense = sub.dense(torch.zeros(5, 6).scatter_(1, index, weights), hidden)
+    sub.GATHER_MAX = 0                                               # prefill's path: pairs grouped by expert
+    grouped = sub.skipped(weights, index, hidden)
     by_hand = torch.stack([sum(weights[t, s] * (sub.offset[index[t, s]] + hidden[t] @ sub.down[index[t, s]]
                                                 @ sub.up[index[t, s]]) for s in range(2)) for t in range(5)])
     torch.testing.assert_close(gathered, by_hand, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(dense, by_hand, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(grouped, by_hand, rtol=1e-5, atol=1e-5)
 
 
 def test_the_linear_term_travels_in_the_means_file_and_a_broken_one_is_refused(tmp_path):

@@ -9,8 +9,7 @@ forward here adds it to their output in the same pass.
 
 The stand-in is affine in x, so it is kept folded: offset_e = mean_e - (input_mean_e @ down_e) @ up_e,
 and stand_in_e(x) = offset_e + (x @ down_e) @ up_e. Per token that is 2 x H x r multiply-adds per
-skipped slot (gathered, decode) or 2 x H x E x r for all experts at once (dense, prefill); an expert
-costs 3 x H x I.
+skipped slot, gathered slot by slot (decode) or grouped by expert (prefill); an expert costs 3 x H x I.
 
 Shape legend: T = tokens, E = routed experts, K = K_orig, W = selected slots, S = skipped slots,
 H = hidden size, r = rank of the linear term.
@@ -42,28 +41,43 @@ class LayerSubstitute:
     def dense(self, weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """sum over e of weights[t, e] x stand_in_e(x_t): weights [T, E] (0 where not skipped) -> [T, H]."""
         weights = weights.to(self.offset.dtype)
-        out = weights @ self.offset
-        if self.down is not None:
-            num_experts, hidden_size, rank = self.down.shape
-            z = hidden.to(self.offset.dtype) @ self.down.permute(1, 0, 2).reshape(hidden_size, num_experts * rank)
-            z = (z.view(-1, num_experts, rank) * weights[:, :, None]).reshape(-1, num_experts * rank)   # [T, E*r]
-            out = out + z @ self.up.reshape(num_experts * rank, hidden_size)
-        return out
+        if self.down is None:
+            return weights @ self.offset
+        token_idx, expert_idx = weights.nonzero(as_tuple=True)                                  # [P] skipped pairs
+        return self._pairs(token_idx, expert_idx, weights[token_idx, expert_idx], hidden)
 
     def skipped(self, weights: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """The same over a token's skipped slots: weights, index [T, S] -> [T, H]. Gathered per slot
-        when that is small (decode), else through the dense [T, E] form (prefill)."""
+        when that is small (decode), else pair by pair grouped by expert (prefill)."""
         num_tokens, slots = index.shape
-        rank = 1 if self.down is None else self.down.size(-1)
         weights = weights.to(self.offset.dtype)
-        if num_tokens * slots * self.offset.size(-1) * rank > self.GATHER_MAX:
+        if self.down is None:
+            if num_tokens * slots * self.offset.size(-1) <= self.GATHER_MAX:
+                return torch.einsum("ts,tsh->th", weights, self.offset[index])
             dense = torch.zeros(num_tokens, self.offset.size(0), dtype=weights.dtype, device=weights.device)
-            return self.dense(dense.scatter_add_(1, index, weights), hidden)
+            return dense.scatter_add_(1, index, weights) @ self.offset
+        if num_tokens * slots * self.offset.size(-1) * self.down.size(-1) > self.GATHER_MAX:
+            token_idx = torch.arange(num_tokens, device=index.device).repeat_interleave(slots)
+            return self._pairs(token_idx, index.reshape(-1), weights.reshape(-1), hidden)
         out = torch.einsum("ts,tsh->th", weights, self.offset[index])
-        if self.down is not None:
-            z = torch.einsum("th,tshr->tsr", hidden.to(weights.dtype), self.down[index]) * weights[:, :, None]
-            out = out + torch.einsum("tsr,tsrh->th", z, self.up[index])
-        return out
+        z = torch.einsum("th,tshr->tsr", hidden.to(weights.dtype), self.down[index]) * weights[:, :, None]
+        return out + torch.einsum("tsr,tsrh->th", z, self.up[index])
+
+    def _pairs(self, token_idx: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
+               hidden: torch.Tensor) -> torch.Tensor:
+        """sum over pairs p of weights[p] x stand_in_{expert_idx[p]}(x_{token_idx[p]}), grouped by expert:
+        two [n, H] x [H, r] x [r, H] products per expert, work proportional to the P pairs."""
+        expert_idx, order = torch.sort(expert_idx)
+        token_idx, weights = token_idx[order], weights[order]
+        x = hidden.to(self.offset.dtype)[token_idx]                                            # [P, H]
+        y = torch.empty_like(x)
+        start = 0
+        for e, n in enumerate(torch.bincount(expert_idx, minlength=self.offset.size(0)).tolist()):
+            if n:
+                y[start:start + n] = x[start:start + n] @ self.down[e] @ self.up[e] + self.offset[e]
+                start += n
+        out = torch.zeros(hidden.size(0), self.offset.size(-1), dtype=x.dtype, device=x.device)
+        return out.index_add_(0, token_idx, y * weights[:, None])
 
 
 def substituted(adapter: MoEAdapter, router, scores, cand_idx: torch.Tensor, index: torch.Tensor,
