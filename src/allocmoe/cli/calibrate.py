@@ -38,8 +38,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--k-base", type=positive_int, default=None, help="Alloc-T: experts every token keeps (default 1)")
     p.add_argument("--pool", default=None, choices=("batch", "sequence"), help="Alloc-T pool extent (default: batch)")
     p.add_argument("--substitute", action=argparse.BooleanOptionalAction, default=None,
-                   help="add each skipped expert's calibrated mean output back (saved beside the plan as "
-                        "<name>.means.safetensors; allocmoe serve/generate/eval run it, vLLM and export do not); "
+                   help="add back a stand-in for each skipped expert: its calibrated mean output plus a rank-R "
+                        "linear term (saved beside the plan as <name>.means.safetensors; allocmoe "
+                        "serve/generate/eval/bench run it, vLLM and export do not); "
                         "default: auto tries with and without, other methods without")
     p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
                    help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
