@@ -10,7 +10,10 @@ experts so they come from memory, as in a real layer. Shows why the kernel widen
 counts, and why a half budget cannot halve prefill time on CPU: even one row streams the
 expert's 35 MB of weights.
 
-    python benchmarks/sgemm_rows.py [--max-rows 40] [--threads N]
+    python benchmarks/sgemm_rows.py [--max-rows 40] [--threads N] [--packed]
+
+--packed adds oneDNN's linear on weights packed as `pack_experts` packs them (the kernel's path
+from PACKED_FROM_ROWS rows on when the experts are packed).
 """
 
 from __future__ import annotations
@@ -23,20 +26,23 @@ import torch
 
 from machine import cpu_name
 
-from allocmoe.routing.experts import _row_window
+from allocmoe.routing.experts import _packed_linear, _row_window
 
 EXPERTS = 8       # distinct weight matrices cycled through, so each product reads its weights from memory
 
 
 
 
-def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int, tokens_first: bool = False) -> float:
-    """Median milliseconds of one weights-first (or tokens-first) product on `rows` rows of x."""
+def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int, tokens_first: bool = False,
+              packed: list[torch.Tensor] | None = None) -> float:
+    """Median milliseconds of one weights-first (or tokens-first, or packed oneDNN) product on `rows` rows of x."""
     samples = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         for e in range(EXPERTS):
-            if tokens_first:
+            if packed is not None:
+                _packed_linear(x[:rows], packed[e])
+            elif tokens_first:
                 torch.mm(x[:rows], weights[e].t())
             else:
                 torch.mm(weights[e], x[:rows].t())
@@ -49,6 +55,8 @@ def main() -> None:
     parser.add_argument("--max-rows", type=int, default=40)
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--threads", type=int, default=None)
+    parser.add_argument("--packed", action="store_true",
+                        help="add a column: oneDNN's linear on weights packed by experts.pack_experts' rule")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -57,8 +65,10 @@ def main() -> None:
                    "down [2048, 1408]": torch.randn(EXPERTS, 2048, 1408)}
     spare = 64   # rows beyond max-rows, so every window can widen
     inputs = {name: torch.randn(args.max_rows + spare, w.size(2)) for name, w in projections.items()}
+    packed = {name: [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
+              for name, weights in projections.items()} if args.packed else {}
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; milliseconds per "
-          "product, weights-first as is -> widened (widened rows) | tokens-first")
+          "product, weights-first as is -> widened (widened rows) | tokens-first" + (" | packed" if packed else ""))
     print("rows  " + "  ".join(f"{name:>39}" for name in projections))
     with torch.no_grad():
         for rows in range(1, args.max_rows + 1):
@@ -68,7 +78,10 @@ def main() -> None:
                 plain = time_rows(weights, inputs[name], rows, args.repeats)
                 widened = time_rows(weights, inputs[name], hi - lo, args.repeats) if hi - lo != rows else plain
                 tokens_first = time_rows(weights, inputs[name], rows, args.repeats, tokens_first=True)
-                cells.append(f"{plain:8.2f} -> {widened:6.2f} ({hi - lo:2d}) | {tokens_first:6.2f}")
+                cell = f"{plain:8.2f} -> {widened:6.2f} ({hi - lo:2d}) | {tokens_first:6.2f}"
+                if packed:
+                    cell += f" | {time_rows(weights, inputs[name], rows, args.repeats, packed=packed[name]):6.2f}"
+                cells.append(cell)
             print(f"{rows:4d}  " + "  ".join(f"{cell:>39}" for cell in cells), flush=True)
 
 

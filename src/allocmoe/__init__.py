@@ -4,6 +4,7 @@ __version__ = "0.1.0"
 
 from .routing.adapters import supported_model_types
 from .routing.apply import PlanHandle, apply_plan, distinct_plan, static_plan
+from .routing.experts import pack_experts
 from .core.budget import Budget
 from .errors import AllocMoeError
 from .measure.evaluate import PerplexityConfig, evaluate_perplexity
@@ -22,6 +23,6 @@ __all__ = [
     "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "DistinctConfig", "DistinctExperts", "NaeeSkip", "PerplexityConfig", "Plan",
     "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "allocate_distinct", "apply_plan",
     "distinct_plan", "distinct_profile",
-    "evaluate_model", "evaluate_perplexity", "generate", "load_model", "load_profile", "model_fingerprint", "profile_sensitivity", "read_text",
+    "evaluate_model", "evaluate_perplexity", "generate", "load_model", "load_profile", "model_fingerprint", "pack_experts", "profile_sensitivity", "read_text",
     "select_experts", "static_plan", "supported_model_types", "sweep",
 ]

@@ -83,6 +83,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--dtype", default=None, choices=("float32", "bfloat16", "float16"),
                    help="default: float32 on CPU, bfloat16 on CUDA")
     p.add_argument("--device", default=None, help="cpu or cuda (default: cuda if available)")
+    p.add_argument("--packed-experts", action="store_true",
+                   help="CPU, float32: also pack the experts' weights for oneDNN (a second copy in memory), which "
+                        "runs experts with 4 or more rows of a batched step faster (docs/speed.md)")
     add_output(p, "also write the result JSON here", old="--output-json")
     add_quiet(p)
     p.set_defaults(func=cmd_bench)
@@ -206,6 +209,28 @@ class _Shape:
         yield self._probe
 
 
+def _packed(model, wanted: bool):
+    """`bench --packed-experts`: the experts' weights packed for oneDNN beside the model's own, refused
+    (before packing) when the second copy would not fit in free memory."""
+    import contextlib
+
+    from ..measure.bench import free_memory_bytes
+    from ..routing.experts import pack_experts
+
+    if not wanted:
+        return contextlib.nullcontext()
+    device = next(model.parameters()).device
+    from ..routing.adapters import adapter_for_model
+
+    experts = sum(p.numel() * 4 for layer in adapter_for_model(model).moe_layers(model)
+                  for p in layer.experts.parameters())
+    free = free_memory_bytes(device)
+    if experts > 0.8 * free:
+        raise AllocMoeError(f"--packed-experts needs a second copy of the routed experts, {experts / 2**30:.1f} GiB, and "
+                            f"{free / 2**30:.1f} GiB is free; drop it or bench fewer layers (--num-layers)")
+    return pack_experts(model)
+
+
 def cmd_bench(args) -> None:
     """Flags, device, plan (against the model's layout), budget and positions are all checked before
     the weights load or the synthetic model is built."""
@@ -242,6 +267,9 @@ def cmd_bench(args) -> None:
     device = str(check_device(args.device if args.device is not None else
                               ("cuda" if torch.cuda.is_available() else "cpu")))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    if args.packed_experts and (device != "cpu" or dtype != torch.float32):
+        raise AllocMoeError("--packed-experts serves the CPU kernel in float32; drop it, or bench with --device cpu "
+                            "--dtype float32")
     plan = Plan.load(args.plan) if args.plan else None
     if synthetic:
         cfg = synthetic_config(args.model, args.num_layers)
@@ -278,7 +306,8 @@ def cmd_bench(args) -> None:
         plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
     elif plan is None:
         plan, union = distinct_plan_for(model, config, *max_distinct)
-    result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
+    with _packed(model, args.packed_experts):
+        result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
     if union is not None:
         result["unrestricted_union"] = {"fraction": max_distinct[0], "per_layer": {str(i): u for i, u in union.items()},
                                         "measured_on": "other random prompts (seed 1), same batch and decode steps"}

@@ -14,6 +14,11 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
   1.8x the cost of a whole block (benchmarks/sgemm_rows.py prints all three curves). Tiny
   experts keep grouped_mm, whose single call beats a Python loop over experts there, and so do
   bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
+- with `pack_experts(model)` (opt-in: it holds a second copy of every routed expert's weights),
+  an expert with more than 3 rows runs oneDNN's linear on weights packed once in its blocked
+  layout, which streams them once for any row count: one DeepSeek-V2-Lite up projection takes
+  1.1 ms for 4-6 rows against MKL's 1.6-1.8 ms either way round, and stays ahead up to 256 rows
+  (benchmarks/sgemm_rows.py --packed prints the curve).
 
 Registered with transformers as the experts implementation "allocmoe", so
 `model.set_experts_implementation("allocmoe")` uses it without a plan.
@@ -32,7 +37,9 @@ from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS, grouped_mm_expe
 WEIGHTS_FIRST_MIN_ELEMENTS = 1 << 20   # per expert projection; below it the per-expert loop costs more than it saves
 ROW_BLOCK = 8         # MKL's sgemm runs the few-row operand in blocks of 8 rows; a ragged tail costs up to 3 extra blocks
 PAD_FROM_ROWS = 12    # from here on rounding an expert's rows up to a whole block is cheaper than its tail
-TOKENS_FIRST_MAX_ROWS = 3   # up to here x @ W^T: MKL's few-row path reads W once, W @ x^T costs 2x from 2 rows
+TOKENS_FIRST_MAX_ROWS = 6   # up to here x @ W^T: MKL's few-row path reads W once per 3 rows, W @ x^T ~2.4x from 2 rows
+PACKED_FROM_ROWS = 4        # with packed weights, from here on oneDNN (it costs 1.3x MKL's x @ W^T at 1-3 rows)
+PACKED_ATTR = "_allocmoe_packed"
 
 
 def _prefers_weights_first(self: nn.Module, hidden_states: torch.Tensor) -> bool:
@@ -44,7 +51,10 @@ def _prefers_weights_first(self: nn.Module, hidden_states: torch.Tensor) -> bool
 
 def experts_kernel_name(experts: nn.Module, hidden_states: torch.Tensor) -> str:
     """Which kernel compact_experts_forward runs for these experts and inputs like hidden_states."""
-    return "weights-first" if _prefers_weights_first(experts, hidden_states) else "grouped_mm"
+    if not _prefers_weights_first(experts, hidden_states):
+        return "grouped_mm"
+    return "weights-first" + (f", oneDNN on packed weights from {PACKED_FROM_ROWS} rows"
+                              if getattr(experts, PACKED_ATTR, None) else "")
 
 
 def compact_experts_forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -83,12 +93,13 @@ def _row_window(start: int, n: int, total: int) -> tuple[int, int]:
 
 
 def _weights_first_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[int], is_transposed: bool,
-                          bias: torch.Tensor | None) -> torch.Tensor:
+                          bias: torch.Tensor | None, packed: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Per expert e, rows of x grouped by expert (counts[e] each): x_e @ W_e^T (+ b_e), computed as
     (W_e @ x_e^T)^T, or as written for at most TOKENS_FIRST_MAX_ROWS rows (batched decode's usual
     case): there MKL's sgemm streams W once, and W @ x^T took twice as long from 2 rows on (one
     DeepSeek-V2-Lite up projection, 2-3 rows: 0.71 ms against 1.72-1.81 ms on an Intel Xeon host,
-    docs/speed/sgemm_rows_tokens_first.txt). weight is [E, O, in] ([E, in, O] when is_transposed)."""
+    docs/speed/sgemm_rows_tokens_first.txt). With `packed` (pack_experts), from PACKED_FROM_ROWS rows on
+    oneDNN's linear on the packed weights. weight is [E, O, in] ([E, in, O] when is_transposed)."""
     out_dim = weight.size(2) if is_transposed else weight.size(1)
     out = x.new_empty(x.size(0), out_dim)                                 # [S, O]
     start = 0
@@ -96,7 +107,9 @@ def _weights_first_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[in
         if n == 0:
             continue
         w = weight[e].t() if is_transposed else weight[e]                 # [O, in]
-        if n <= TOKENS_FIRST_MAX_ROWS:
+        if packed is not None and n >= PACKED_FROM_ROWS:
+            rows = _packed_linear(x[start:start + n], packed[e])          # [n, O]
+        elif n <= TOKENS_FIRST_MAX_ROWS:
             rows = torch.mm(x[start:start + n], w.t())                    # [n, O]
         else:
             lo, hi = _row_window(start, n, x.size(0))
@@ -106,6 +119,11 @@ def _weights_first_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[in
         out[start:start + n] = rows
         start += n
     return out
+
+
+def _packed_linear(x: torch.Tensor, packed: torch.Tensor) -> torch.Tensor:
+    """x @ W^T with W packed by oneDNN (pack_experts)."""
+    return torch.ops.mkldnn._linear_pointwise(x, packed, None, "none", [], "")
 
 
 def weights_first_experts_forward(self: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -122,15 +140,73 @@ def weights_first_experts_forward(self: nn.Module, hidden_states: torch.Tensor, 
     x = hidden_states[token_idx]                                          # [S, H]
     up = self.gate_up_proj if self.has_gate else self.up_proj
     up_bias = (self.gate_up_proj_bias if self.has_gate else self.up_proj_bias) if self.has_bias else None
-    h = _weights_first_linear(x, up, counts, self.is_transposed, up_bias)  # [S, 2I] or [S, I]
+    packed = getattr(self, PACKED_ATTR, None)
+    h = _weights_first_linear(x, up, counts, self.is_transposed, up_bias, packed and packed["up"])  # [S, 2I] or [S, I]
     h = self._apply_gate(h) if self.has_gate else self.act_fn(h)           # [S, I]
     down_bias = self.down_proj_bias if self.has_bias else None
-    y = _weights_first_linear(h, self.down_proj, counts, self.is_transposed, down_bias)  # [S, H]
+    y = _weights_first_linear(h, self.down_proj, counts, self.is_transposed, down_bias,
+                              packed and packed["down"])                  # [S, H]
     if self.has_post_expert_norm:
         y = self.post_expert_norm(y)
     y = y * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(y.dtype)    # [S, H]
     out = torch.zeros(num_tokens, hidden_dim, dtype=hidden_states.dtype, device=hidden_states.device)  # [T, H]
     return out.index_add_(0, token_idx, y.to(out.dtype))
+
+
+class PackedExperts:
+    """Every CPU fp32 routed experts module of a model, with its weights also packed for oneDNN's
+    linear (a second copy: the experts' memory doubles). `remove()` (or leaving the `with` block)
+    drops the copies; the model's own weights are never touched."""
+
+    def __init__(self, modules: list[nn.Module]):
+        self.modules = modules
+
+    def __enter__(self) -> "PackedExperts":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for module in self.modules:
+            module.__dict__.pop(PACKED_ATTR, None)
+        self.modules = []
+
+    @property
+    def bytes(self) -> int:
+        """The packed copies' size: what packing added (the same as the experts' own weights)."""
+        return sum(w.numel() * 4 for m in self.modules for parts in getattr(m, PACKED_ATTR, {}).values()
+                   for w in parts)
+
+
+@torch.no_grad()
+def pack_experts(model: nn.Module) -> PackedExperts:
+    """Pack each routed expert's projections for oneDNN, for every experts module the CPU kernel runs
+    weights-first (CPU, fp32, projections of 1M weights or more). Refused where none qualifies."""
+    from .adapters import adapter_for_model
+    from ..errors import AllocMoeError
+
+    if not torch.backends.mkldnn.is_available():
+        raise AllocMoeError("packed experts need oneDNN (torch.backends.mkldnn), which this torch build lacks; "
+                            "run without packing")
+    modules = []
+    for layer in adapter_for_model(model).moe_layers(model):
+        experts = layer.experts
+        probe = torch.empty(1, model.config.hidden_size, dtype=next(experts.parameters()).dtype,
+                            device=next(experts.parameters()).device)
+        if not _prefers_weights_first(experts, probe):
+            continue
+        up = experts.gate_up_proj if experts.has_gate else experts.up_proj
+        packed = {}
+        for name, weight in (("up", up), ("down", experts.down_proj)):
+            mats = weight.transpose(1, 2) if experts.is_transposed else weight        # [E, O, in]
+            packed[name] = [torch.ops.mkldnn._reorder_linear_weight(m.contiguous(), 16) for m in mats]
+        setattr(experts, PACKED_ATTR, packed)
+        modules.append(experts)
+    if not modules:
+        raise AllocMoeError("no experts to pack: packing serves the CPU kernel's fp32 experts of real size "
+                            "(projections of 1M weights or more); run without packing")
+    return PackedExperts(modules)
 
 
 ALL_EXPERTS_FUNCTIONS.register("allocmoe", compact_experts_forward)
