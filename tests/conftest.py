@@ -51,6 +51,16 @@ def build_tiny(model_type: str, seed: int = 0, **overrides):
     return model
 
 
+@torch.no_grad()
+def experts_with_biases(model, gen: torch.Generator):
+    """The model's first routed experts module, its biases (initialised to 0) made random so they count."""
+    experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]
+    for name, param in experts.named_parameters():
+        if name.endswith("bias"):
+            param.copy_(torch.randn(param.shape, generator=gen))
+    return experts
+
+
 @pytest.fixture(params=sorted(FAMILIES))
 def family_model(request):
     return request.param, build_tiny(request.param)

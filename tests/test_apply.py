@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from allocmoe import AllocT, AllocMoeError, Plan, StaticTopK, apply_plan, model_fingerprint, static_plan
-from conftest import build_tiny
+from conftest import build_tiny, experts_with_biases
 
 
 def plan_of(model, policy_for_layer):
@@ -154,11 +154,8 @@ def test_weights_first_path_with_widened_row_windows_equals_the_dense_reference(
     from allocmoe.routing.experts import PAD_FROM_ROWS, ROW_BLOCK, weights_first_experts_forward
 
     model = build_tiny(model_type)
-    experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]
     gen = torch.Generator().manual_seed(2)
-    for name, param in experts.named_parameters():
-        if name.endswith("bias"):
-            param.copy_(torch.randn(param.shape, generator=gen))
+    experts = experts_with_biases(model, gen)
     num_experts = experts.num_experts
     hidden = torch.randn(97, model.config.hidden_size, generator=gen)
     index, weights = random_selection(97, num_experts, 3, gen)
@@ -183,11 +180,8 @@ def test_cpu_weights_first_path_equals_transformers_grouped_mm(model_type):
     from allocmoe.routing.experts import weights_first_experts_forward
 
     model = build_tiny(model_type)
-    experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]                # the experts module
     gen = torch.Generator().manual_seed(1)
-    for name, param in experts.named_parameters():
-        if name.endswith("bias"):                                         # initialised to 0: make them count
-            param.copy_(torch.randn(param.shape, generator=gen))
+    experts = experts_with_biases(model, gen)
     hidden = torch.randn(12, model.config.hidden_size, generator=gen)
     num_experts = experts.num_experts
     index, weights = random_selection(12, num_experts, 3, gen)

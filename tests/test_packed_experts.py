@@ -7,7 +7,7 @@ import allocmoe.routing.experts as experts_module
 from allocmoe import AllocMoeError
 from allocmoe.cli import main
 from allocmoe.routing.experts import PACKED_ATTR, PACKED_FROM_ROWS, pack_experts, weights_first_experts_forward
-from conftest import build_tiny
+from conftest import build_tiny, experts_with_biases
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "gpt_oss"])     # gpt_oss: transposed weights, biases
@@ -20,11 +20,8 @@ def test_packed_experts_compute_what_transformers_computes(model_type, monkeypat
     packed_linear = experts_module._packed_linear
     monkeypatch.setattr(experts_module, "_packed_linear", lambda x, w: calls.append(len(x)) or packed_linear(x, w))
     model = build_tiny(model_type)
-    experts = [m for m in model.modules() if hasattr(m, "has_gate")][0]
     gen = torch.Generator().manual_seed(3)
-    for name, param in experts.named_parameters():
-        if name.endswith("bias"):
-            param.copy_(torch.randn(param.shape, generator=gen))
+    experts = experts_with_biases(model, gen)
     num_experts = experts.num_experts
     hidden = torch.randn(12, model.config.hidden_size, generator=gen)
     index = torch.tensor([[0, 1]] * 6 + [[2, 3], [4, 5], [6, 7], [2, 5], [3, 6], [num_experts, 4]])   # 6 rows .. 1 row
