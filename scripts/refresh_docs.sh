@@ -15,8 +15,8 @@ time allocmoe sweep --output "$work/sweep"
 cp "$work/sweep"/{results.json,results.md,quality_vs_activations.png,allocations.png} docs/sweep/
 
 allocmoe eval --tasks "$tasks" --eval-tokens 2048 --output docs/tasks/tasks_none.json > /dev/null
-# half budget (B = 18, files tasks_<method>.json) for three methods; a third (B = 12, *_b12.json) for two
-for run in alloc-moe:18: alloc-l:18: uniform:18: alloc-moe:12:_b12 uniform:12:_b12; do
+# half budget (B = 18, files tasks_<method>.json) for four methods; a third (B = 12, *_b12.json) for three
+for run in alloc-moe:18: alloc-l:18: uniform:18: auto:18: alloc-moe:12:_b12 uniform:12:_b12 auto:12:_b12; do
   IFS=: read -r method budget suffix <<< "$run"
   allocmoe allocate --profile "$work/sweep/profile.json" --budget "$budget" --method "$method" --output "$work/$method$budget.json"
   allocmoe eval --tasks "$tasks" --eval-tokens 2048 --plan "$work/$method$budget.json" \
@@ -24,7 +24,7 @@ for run in alloc-moe:18: alloc-l:18: uniform:18: alloc-moe:12:_b12 uniform:12:_b
 done
 
 # paired, item by item: is a gap to uniform beyond noise? (none = the full model: how much there is to keep)
-for run in allocmoe: allocl: none: allocmoe:_b12 none:_b12; do
+for run in allocmoe: allocl: auto: none: allocmoe:_b12 auto:_b12 none:_b12; do
   IFS=: read -r method suffix <<< "$run"
   a="docs/tasks/tasks_$method$suffix.json"; [ "$method" = none ] && a=docs/tasks/tasks_none.json
   allocmoe compare "$a" "docs/tasks/tasks_uniform$suffix.json" --output "docs/tasks/compare_${method}_uniform$suffix.json"
