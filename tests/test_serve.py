@@ -272,7 +272,9 @@ def test_a_full_queue_answers_503_with_retry_after_and_a_disconnect_frees_the_sl
     long = {"prompt": "Once", "max_tokens": 500, "stream": True, "ignore_eos": True}
     with httpx.Client(headers=auth) as http:
         with http.stream("POST", f"{guarded}/v1/completions", json=long) as first:
-            next(first.iter_lines())                                  # generating: the one slot is taken
+            assert first.status_code == 200, first.read()
+            line = next(first.iter_lines())                           # generating: the one slot is taken
+            assert line.startswith("data: ") and '"text"' in line, line
             r = http.post(f"{guarded}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert "queue is full" in r.json()["error"]["message"]
