@@ -37,7 +37,7 @@ class LayerSubstitute:
     up: torch.Tensor | None = None     # [E, r, H]
 
     GATHER_MAX = 1 << 22               # means alone: gathered slots' elements up to which the per-slot path runs
-    GATHER_MAX_PAIRS = 64              # with a linear term: skipped pairs up to which it runs (batched decode);
+    GATHER_MAX_PAIRS = 64              # with a linear term: pairs up to which each gathers its factors (decode);
                                        # gathering [pairs, H, r] factors at prefill cost more than the experts
 
     def dense(self, weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
@@ -49,8 +49,7 @@ class LayerSubstitute:
         return self._pairs(token_idx, expert_idx, weights[token_idx, expert_idx], hidden)
 
     def skipped(self, weights: torch.Tensor, index: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-        """The same over a token's skipped slots: weights, index [T, S] -> [T, H]. Gathered per slot
-        when that is small (decode), else pair by pair grouped by expert (prefill)."""
+        """The same over a token's skipped slots: weights, index [T, S] -> [T, H]."""
         num_tokens, slots = index.shape
         weights = weights.to(self.offset.dtype)
         if self.down is None:
@@ -58,29 +57,32 @@ class LayerSubstitute:
                 return torch.einsum("ts,tsh->th", weights, self.offset[index])
             dense = torch.zeros(num_tokens, self.offset.size(0), dtype=weights.dtype, device=weights.device)
             return dense.scatter_add_(1, index, weights) @ self.offset
-        if num_tokens * slots > self.GATHER_MAX_PAIRS:
-            token_idx = torch.arange(num_tokens, device=index.device).repeat_interleave(slots)
-            return self._pairs(token_idx, index.reshape(-1), weights.reshape(-1), hidden)
-        out = torch.einsum("ts,tsh->th", weights, self.offset[index])
-        z = torch.einsum("th,tshr->tsr", hidden.to(weights.dtype), self.down[index]) * weights[:, :, None]
-        return out + torch.einsum("tsr,tsrh->th", z, self.up[index])
+        token_idx = torch.arange(num_tokens, device=index.device).repeat_interleave(slots)
+        return self._pairs(token_idx, index.reshape(-1), weights.reshape(-1), hidden)
 
     def _pairs(self, token_idx: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
                hidden: torch.Tensor) -> torch.Tensor:
-        """sum over pairs p of weights[p] x stand_in_{expert_idx[p]}(x_{token_idx[p]}), grouped by expert:
-        [n, H] x [H, r] x [r, H] per expert, work proportional to the P pairs. (Padding the experts'
-        rows into two batched products measured slower on the built-in model's prefill, and a dense
-        product over all E experts does E / S times the work.)"""
+        """sum over pairs p of weights[p] x stand_in_{expert_idx[p]}(x_{token_idx[p]}) -> [T, H]. Up to
+        GATHER_MAX_PAIRS pairs (decode) each gathers its expert's factors; above (prefill) the pairs
+        are grouped by expert, [n, H] x [H, r] x [r, H] per expert. Work is proportional to the P
+        pairs either way. (Padding the groups into two batched products measured slower on the
+        built-in model's prefill, and a dense product over all E experts does E / S times the work.)"""
+        hidden = hidden.to(self.offset.dtype)
+        out = torch.zeros(hidden.size(0), self.offset.size(-1), dtype=hidden.dtype, device=hidden.device)
+        if token_idx.numel() <= self.GATHER_MAX_PAIRS:
+            x = hidden[token_idx]                                                              # [P, H]
+            z = torch.einsum("ph,phr->pr", x, self.down[expert_idx])                          # [P, r]
+            y = torch.einsum("pr,prh->ph", z, self.up[expert_idx]) + self.offset[expert_idx]   # [P, H]
+            return out.index_add_(0, token_idx, y * weights[:, None])
         expert_idx, order = torch.sort(expert_idx)
         token_idx, weights = token_idx[order], weights[order]
-        x = hidden.to(self.offset.dtype)[token_idx]                                            # [P, H]
+        x = hidden[token_idx]                                                                  # [P, H]
         y = torch.empty_like(x)
         start = 0
         for e, n in enumerate(torch.bincount(expert_idx, minlength=self.offset.size(0)).tolist()):
             if n:
                 y[start:start + n] = x[start:start + n] @ self.down[e] @ self.up[e] + self.offset[e]
                 start += n
-        out = torch.zeros(hidden.size(0), self.offset.size(-1), dtype=x.dtype, device=x.device)
         return out.index_add_(0, token_idx, y * weights[:, None])
 
 
