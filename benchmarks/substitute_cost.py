@@ -2,7 +2,8 @@
 
 All run the same experts (same activations per token). The means alone (rank 0) add, per MoE layer,
 a [T, E] scatter and one [T, E] x [E, H] product; a rank-r linear term adds 2 x H x r multiply-adds
-per skipped slot at decode (gathered) and 2 x H x E x r per token at prefill (dense). Timed interleaved (A, B, A, B, ...) in one process,
+per skipped slot (gathered at decode, grouped by expert at prefill). Timed interleaved (A, B, A, B,
+...) in one process,
 median of --repeats, for a prefill pass (batch x input tokens) and a batched decode step (one token
 per sequence, with the KV cache of the prefill), on the built-in model and on the DeepSeek-V2-Lite
 shape (random weights, --num-layers decoder layers: 3 holds 2 MoE layers, 4.4 GB in fp32). The
@@ -59,8 +60,10 @@ def random_substitute(model, plan, rank: int) -> ExpertMeans:
     num_experts, hidden = plan.model["num_experts"], model.config.hidden_size
     layers = plan.model["moe_layers"]
     means = {i: torch.randn(num_experts, hidden, generator=gen) * 0.01 for i in layers}
-    linear = {i: LinearTerm(torch.randn(num_experts, hidden, generator=gen), torch.randn(num_experts, hidden, rank, generator=gen) * 0.01,
-                            torch.randn(num_experts, rank, hidden, generator=gen) * 0.01) for i in layers} if rank else None
+    linear = None if not rank else {i: LinearTerm(torch.randn(num_experts, hidden, generator=gen),
+                                                  torch.randn(num_experts, hidden, rank, generator=gen) * 0.01,
+                                                  torch.randn(num_experts, rank, hidden, generator=gen) * 0.01)
+                                    for i in layers}
     return ExpertMeans(means, tokens=1, linear=linear)
 
 

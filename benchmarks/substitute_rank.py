@@ -49,7 +49,8 @@ def run(name: str, ranks: list[int]) -> dict:
         started = time.time()
         plan.means = measure_expert_means(model, calib_windows, rank=rank)
         fit = time.time() - started
-        row["ranks"][rank] = {"perplexity": test_ppl(model, tok, test, test_windows, plan), "fit_seconds": round(fit, 1)}
+        row["ranks"][rank] = {"perplexity": test_ppl(model, tok, test, test_windows, plan),
+                              "fit_seconds": round(fit, 1)}
     share = lambda p: (p - full) / (uniform - full)                       # noqa: E731
     print(f"\n## {name}: full {full:.2f}, uniform {uniform:.2f}, alloc-l top-{row['allocation']} alone "
           f"{row['none']:.2f} ({share(row['none']):.3f})")

@@ -119,7 +119,8 @@ def test_gathered_grouped_and_dense_paths_agree_with_a_hand_sum():
     gen = torch.Generator().manual_seed(2)
     sub = LayerSubstitute(torch.randn(6, 10, generator=gen), torch.randn(6, 10, 3, generator=gen),
                           torch.randn(6, 3, 10, generator=gen))
-    weights, index = torch.rand(5, 2, generator=gen), torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(5)])
+    weights = torch.rand(5, 2, generator=gen)
+    index = torch.stack([torch.randperm(6, generator=gen)[:2] for _ in range(5)])
     hidden = torch.randn(5, 10, generator=gen)
     gathered = sub.skipped(weights, index, hidden)
     dense = sub.dense(torch.zeros(5, 6).scatter_(1, index, weights), hidden)

@@ -23,6 +23,7 @@ __all__ = [
     "__version__", "AllocMoeError", "AllocT", "AllocateConfig", "Budget", "DistinctConfig", "DistinctExperts", "NaeeSkip", "PerplexityConfig", "Plan",
     "PlanHandle", "ProfileConfig", "StaticTopK", "SweepConfig", "TopP", "allocate", "allocate_distinct", "apply_plan",
     "distinct_plan", "distinct_profile",
-    "evaluate_model", "evaluate_perplexity", "generate", "load_model", "load_profile", "model_fingerprint", "pack_experts", "profile_sensitivity", "read_text",
+    "evaluate_model", "evaluate_perplexity", "generate", "load_model", "load_profile", "model_fingerprint",
+    "pack_experts", "profile_sensitivity", "read_text",
     "select_experts", "static_plan", "supported_model_types", "sweep",
 ]

@@ -106,8 +106,8 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
         return hook
 
     device = next(model.parameters()).device
-    bar = tqdm(total=len(groups) * len(windows.split(batch_size)), desc="expert means" + (f" + rank {rank}" if rank else ""),
-               unit="batch", disable=not progress)
+    bar = tqdm(total=len(groups) * len(windows.split(batch_size)), unit="batch", disable=not progress,
+               desc="expert means" + (f" + rank {rank}" if rank else ""))
     means, linear = {}, {}
     for group in groups:
         moments.update({layer.index: _Moments(num_experts, hidden, rank > 0) for layer in group})

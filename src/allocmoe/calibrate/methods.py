@@ -55,10 +55,10 @@ class AllocateConfig:
     lexi_samples: int = 512         # Gaussian inputs per layer for LExI's deviation profile
     seed: int = 0                   # LExI's input seed
     progress: bool = True           # progress bar (stderr) for the methods that run the model: lexi, top-p, naee, auto
-    substitute: bool | None = None  # add skipped experts' calibrated means back; None: auto tries both, others don't
+    substitute: bool | None = None  # add stand-ins for skipped experts back; None: auto tries both, others don't
     refine: int | None = None       # calibration passes for the joint refinement; None: AUTO_REFINE for auto, else 0
-    substitute_rank: int = 8        # rank of the least-squares linear term beside each mean (0: the means alone, MoNE);
-                                    # on the three shipped models rank 8 kept half the loss the means left (docs/quality.md)
+    substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
+                                    # on the shipped models rank 8 kept half the loss the means left (quality.md)
 
     def __post_init__(self):
         if self.pool not in ("batch", "sequence"):
@@ -69,7 +69,8 @@ class AllocateConfig:
                                         or self.refine < 0):
             raise AllocMoeError(f"refine must be a whole number of calibration passes >= 0 (0 = off), got "
                                 f"{self.refine!r}")
-        if not isinstance(self.substitute_rank, int) or isinstance(self.substitute_rank, bool) or self.substitute_rank < 0:
+        rank = self.substitute_rank
+        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
             raise AllocMoeError(f"substitute_rank must be a whole number >= 0 (0 = the means alone), got "
                                 f"{self.substitute_rank!r}")
         if self.substitute not in (None, True, False):
@@ -283,7 +284,8 @@ def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
 def _measure_means(model, windows, config: AllocateConfig):
     from .means import measure_expert_means
 
-    return measure_expert_means(model, windows, config.batch_size, progress=config.progress, rank=config.substitute_rank)
+    return measure_expert_means(model, windows, config.batch_size, progress=config.progress,
+                                rank=config.substitute_rank)
 
 
 def _refined(plan: Plan, model, windows, config: AllocateConfig, passes: int, memo) -> Plan:

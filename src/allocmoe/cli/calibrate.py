@@ -186,8 +186,8 @@ def _allocate_distinct(args) -> None:
             raise AllocMoeError(f"both {flag} and --max-distinct-experts were given; give one: {flag} for activations "
                                 "per token, --max-distinct-experts for distinct experts per decode step")
     for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
-                        ("--pool", args.pool), ("--substitute", args.substitute), ("--substitute-rank", args.substitute_rank),
-                        ("--refine", args.refine)):
+                        ("--pool", args.pool), ("--substitute", args.substitute),
+                        ("--substitute-rank", args.substitute_rank), ("--refine", args.refine)):
         if value is not None:
             raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "
                                 f"per step, from its own profile measured at --decode-batch); drop {flag}")

@@ -226,8 +226,8 @@ def _packed(model, wanted: bool):
                   for p in layer.experts.parameters())
     free = free_memory_bytes(device)
     if experts > 0.8 * free:
-        raise AllocMoeError(f"--packed-experts needs a second copy of the routed experts, {experts / 2**30:.1f} GiB, and "
-                            f"{free / 2**30:.1f} GiB is free; drop it or bench fewer layers (--num-layers)")
+        raise AllocMoeError(f"--packed-experts needs a second copy of the routed experts, {experts / 2**30:.1f} GiB, "
+                            f"and {free / 2**30:.1f} GiB is free; drop it or bench fewer layers (--num-layers)")
     return pack_experts(model)
 
 

@@ -47,7 +47,8 @@ class LinearTerm:
 
     def shapes_fit(self, num_experts: int, hidden: int) -> bool:
         r = self.rank
-        return (tuple(self.input_mean.shape) == (num_experts, hidden) and tuple(self.down.shape) == (num_experts, hidden, r)
+        return (tuple(self.input_mean.shape) == (num_experts, hidden)
+                and tuple(self.down.shape) == (num_experts, hidden, r)
                 and tuple(self.up.shape) == (num_experts, r, hidden))
 
 

@@ -386,7 +386,8 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     if twin:
         result["substitute_cost"] = {
             phase: {"ratio": timings["plan"][phase]["median"] / timings["twin"][phase]["median"],
-                    "ratio_paired": statistics.median(p / t for p, t in zip(samples["plan"][phase], samples["twin"][phase])),
+                    "ratio_paired": statistics.median(p / t for p, t in zip(samples["plan"][phase],
+                                                                             samples["twin"][phase])),
                     "rank": plan.means.rank}
             for phase in ("prefill", "decode")}
     for name, phases in timings.items():
