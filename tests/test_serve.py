@@ -250,8 +250,11 @@ def test_malformed_json_wrong_routes_and_chat_errors_are_4xx_json(base):
 
 @pytest.fixture(scope="module")
 def guarded():
-    """A second server: one slot, no queue, an API key."""
+    """A second server: one slot, no queue, an API key. Each forward pass sleeps 10 ms, so a 500-token
+    request holds its slot for 5 s or more: on a loaded host the tiny model could otherwise finish it
+    before the test's next request arrives (the full-queue test then saw a 200 instead of a 503)."""
     model, tok = load_model()
+    model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
     with serving(create_app(model, tok, ServerConfig(max_batch_size=1, max_queue=0, api_key="sekret"))) as url:
         yield url
 
