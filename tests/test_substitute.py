@@ -7,7 +7,7 @@ import torch
 
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, distinct_plan, model_fingerprint, static_plan
 from allocmoe.calibrate.means import measure_expert_means
-from allocmoe.core.means import ExpertMeans
+from allocmoe.core.means import ExpertMeans, LinearTerm
 from allocmoe.routing.apply import apply_plans
 from conftest import COMMON, build_tiny
 
@@ -18,11 +18,17 @@ def plan_of(model, policy):
                 budget=float(policy.k * fp["num_moe_layers"]))
 
 
-def random_means(model, seed=0):
+def random_means(model, seed=0, rank=0):
+    """Random stand-ins: means, and with `rank` a linear term of that rank."""
     fp = model_fingerprint(model)
     gen = torch.Generator().manual_seed(seed)
-    return ExpertMeans({i: torch.randn(fp["num_experts"], model.config.hidden_size, generator=gen)
-                        for i in fp["moe_layers"]}, tokens=10)
+    num_experts, hidden = fp["num_experts"], model.config.hidden_size
+    linear = {i: LinearTerm(torch.randn(num_experts, hidden, generator=gen),
+                            torch.randn(num_experts, hidden, rank, generator=gen) / 4,
+                            torch.randn(num_experts, rank, hidden, generator=gen) / 4)
+              for i in fp["moe_layers"]} if rank else None
+    return ExpertMeans({i: torch.randn(num_experts, hidden, generator=gen) for i in fp["moe_layers"]}, tokens=10,
+                       linear=linear)
 
 
 @torch.no_grad()
@@ -33,7 +39,7 @@ def test_at_full_k_the_substitute_changes_nothing_bit_for_bit(family_model, ids)
         with apply_plan(model, plan_of(model, policy)):
             plain = model(ids).logits
         with_means = plan_of(model, policy)
-        with_means.means = random_means(model)        # large, random: anything added would show
+        with_means.means = random_means(model, rank=3)   # large, random: anything added would show
         with apply_plan(model, with_means):
             substituted = model(ids).logits
         assert torch.equal(substituted, plain)
@@ -83,12 +89,13 @@ def test_measured_means_are_each_experts_average_output_over_its_routed_tokens()
         torch.testing.assert_close(means[e], out.mean(0), rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize("rank", [0, 3])
 @torch.no_grad()
-def test_rows_of_mixed_plans_each_route_as_their_own_plan_alone():
+def test_rows_of_mixed_plans_each_route_as_their_own_plan_alone(rank):
     model = build_tiny("qwen3_moe")
     ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(5))
     with_sub, without = plan_of(model, StaticTopK(2)), plan_of(model, StaticTopK(2))
-    with_sub.means = random_means(model)
+    with_sub.means = random_means(model, rank=rank)
     alone = {}
     for name, plan in (("sub", with_sub), ("plain", without)):
         with apply_plan(model, plan):
