@@ -174,3 +174,28 @@ def test_the_cli_writes_the_rank_it_was_given(tiny_folder, tmp_path):
           "--substitute-rank", "3", "--seq-len", "64", "--calib-tokens", "512", "--output", str(out), "--quiet"])
     assert Plan.load(out).means.rank == 3
     assert json.loads(out.read_text())["substitute"]["tokens"] > 0
+
+
+def test_a_fit_whose_moments_would_not_fit_in_memory_is_refused_before_any_pass(monkeypatch):
+    import allocmoe.measure.bench
+
+    model = build_tiny("olmoe")
+    monkeypatch.setattr(allocmoe.measure.bench, "free_memory_bytes", lambda device: 100 << 10)   # 100 KiB free
+    passes = []
+    model.register_forward_pre_hook(lambda module, args: passes.append(1))
+    windows = torch.randint(0, COMMON["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7))
+    with pytest.raises(AllocMoeError, match=r"--substitute-rank 0 \(the means alone\)"):
+        measure_expert_means(model, windows, rank=2)           # moments: 8 experts x 32 x 32 x 2 x 8 B = 128 KiB
+    assert not passes
+    assert measure_expert_means(model, windows, rank=0).rank == 0 and passes   # the means alone need no moments
+
+
+def test_the_cli_refuses_a_fit_that_would_not_fit_before_loading(tiny_folder, tmp_path, capsys, monkeypatch):
+    import allocmoe.measure.bench
+
+    monkeypatch.setattr(allocmoe.measure.bench, "free_memory_bytes", lambda device: 100 << 10)
+    with pytest.raises(SystemExit) as exit_:
+        main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
+              "--output", str(tmp_path / "p.json")])
+    assert exit_.value.code == 2 and "--substitute-rank 0 (the means alone)" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())

@@ -76,6 +76,22 @@ class _Moments:
         return LinearTerm(input_mean=x_mean.float(), down=down.float(), up=up.float())
 
 
+def check_fit_memory(num_experts: int, hidden: int, rank: int) -> int:
+    """The input moments one MoE layer's rank-`rank` fit keeps (bytes; 0 at rank 0), refused when they
+    would not fit in the host's free memory. Cheap: the CLI calls it before any weights load."""
+    per_layer = 2 * num_experts * hidden * hidden * 8 if rank else 0
+    if per_layer:
+        from ..measure.bench import free_memory_bytes
+
+        free = free_memory_bytes(torch.device("cpu"))
+        if per_layer > 0.8 * free:
+            raise AllocMoeError(f"the substitute's rank-{rank} fit keeps {per_layer / 2**30:.1f} GiB of input moments "
+                                f"per MoE layer ({num_experts} experts x {hidden} x {hidden}, twice, float64) and "
+                                f"{free / 2**30:.1f} GiB is free; give --substitute-rank 0 (the means alone) or free "
+                                "memory")
+    return per_layer
+
+
 @torch.no_grad()
 def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, progress: bool = False,
                          rank: int = 0) -> ExpertMeans:
@@ -88,7 +104,7 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
     if not isinstance(rank, int) or isinstance(rank, bool) or not 0 <= rank <= hidden:
         raise AllocMoeError(f"the substitute's rank must be a whole number from 0 to the hidden size {hidden}, got "
                             f"{rank!r}; give --substitute-rank 0..{hidden} (0: the means alone)")
-    per_layer = 2 * num_experts * hidden * hidden * 8 if rank else 0
+    per_layer = check_fit_memory(num_experts, hidden, rank)
     per_pass = max(1, STATS_BYTES // per_layer) if per_layer else len(layers)
     groups = [layers[i:i + per_pass] for i in range(0, len(layers), per_pass)]
     moments: dict[int, _Moments] = {}

@@ -129,6 +129,10 @@ def cmd_allocate(args) -> None:
     if substitute and config.substitute_rank > skeleton.config.hidden_size:
         raise AllocMoeError(f"--substitute-rank {config.substitute_rank} is above this model's hidden size "
                             f"{skeleton.config.hidden_size}; give {skeleton.config.hidden_size} or less")
+    if substitute:
+        from ..calibrate.means import check_fit_memory
+
+        check_fit_memory(spec.fingerprint()["num_experts"], skeleton.config.hidden_size, config.substitute_rank)
     profile = load_profile(args.profile, skeleton) if args.profile else None
     fingerprint = spec.fingerprint()
     if args.budget is not None:
