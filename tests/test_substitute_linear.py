@@ -74,12 +74,12 @@ def test_the_linear_term_is_the_reduced_rank_ridge_fit_of_each_experts_routed_to
     assert checked >= 4
 
 
-@pytest.mark.parametrize("gathered_pairs", [LayerSubstitute.GATHER_MAX_PAIRS, 0])   # decode's path, prefill's
+@pytest.mark.parametrize("gathered", [LayerSubstitute.GATHER_MAX_ELEMENTS, 0])   # decode's path, prefill's
 @torch.no_grad()
-def test_a_plan_adds_back_mean_plus_linear_term_for_each_skipped_candidate(gathered_pairs, monkeypatch):
+def test_a_plan_adds_back_mean_plus_linear_term_for_each_skipped_candidate(gathered, monkeypatch):
     """OLMoE does not renormalise, so the kept experts' weights are the router's own; what the plan's
     layer outputs beyond the cut plan is, by hand, sum over skipped e of p_e (mean_e + (x - xbar_e) D_e U_e)."""
-    monkeypatch.setattr(LayerSubstitute, "GATHER_MAX_PAIRS", gathered_pairs)
+    monkeypatch.setattr(LayerSubstitute, "GATHER_MAX_ELEMENTS", gathered)
     model = build_tiny("olmoe")
     fp = model_fingerprint(model)
     gen = torch.Generator().manual_seed(1)
@@ -124,7 +124,7 @@ def test_gathered_grouped_and_dense_paths_agree_with_a_hand_sum():
     hidden = torch.randn(5, 10, generator=gen)
     gathered = sub.skipped(weights, index, hidden)
     dense = sub.dense(torch.zeros(5, 6).scatter_(1, index, weights), hidden)
-    sub.GATHER_MAX_PAIRS = 0                                         # prefill's path: pairs grouped by expert
+    sub.GATHER_MAX_ELEMENTS = 0                                      # prefill's path: pairs grouped by expert
     grouped = sub.skipped(weights, index, hidden)
     by_hand = torch.stack([sum(weights[t, s] * (sub.offset[index[t, s]] + hidden[t] @ sub.down[index[t, s]]
                                                 @ sub.up[index[t, s]]) for s in range(2)) for t in range(5)])

@@ -37,8 +37,8 @@ class LayerSubstitute:
     up: torch.Tensor | None = None     # [E, r, H]
 
     GATHER_MAX = 1 << 22               # means alone: gathered slots' elements up to which the per-slot path runs
-    GATHER_MAX_PAIRS = 64              # with a linear term: pairs up to which each gathers its factors (decode);
-                                       # gathering [pairs, H, r] factors at prefill cost more than the experts
+    GATHER_MAX_ELEMENTS = 1 << 20      # with a linear term: gathered [pairs, H, r] factors up to which each pair
+                                       # gathers its own (decode); at prefill the gathers cost more than the experts
 
     def dense(self, weights: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """sum over e of weights[t, e] x stand_in_e(x_t): weights [T, E] (0 where not skipped) -> [T, H]."""
@@ -63,17 +63,17 @@ class LayerSubstitute:
     def _pairs(self, token_idx: torch.Tensor, expert_idx: torch.Tensor, weights: torch.Tensor,
                hidden: torch.Tensor) -> torch.Tensor:
         """sum over pairs p of weights[p] x stand_in_{expert_idx[p]}(x_{token_idx[p]}) -> [T, H]. Up to
-        GATHER_MAX_PAIRS pairs (decode) each gathers its expert's factors; above (prefill) the pairs
+        GATHER_MAX_ELEMENTS gathered factor elements (decode: 64 pairs of a DeepSeek-V2-Lite layer,
+        1,024 of the built-in model's) each pair gathers its expert's factors; above (prefill) the pairs
         are grouped by expert, [n, H] x [H, r] x [r, H] per expert. Work is proportional to the P
         pairs either way. (Padding the groups into two batched products measured slower on the
         built-in model's prefill, and a dense product over all E experts does E / S times the work.)"""
         hidden = hidden.to(self.offset.dtype)
         out = torch.zeros(hidden.size(0), self.offset.size(-1), dtype=hidden.dtype, device=hidden.device)
-        if token_idx.numel() <= self.GATHER_MAX_PAIRS:
-            x = hidden[token_idx]                                                              # [P, H]
-            z = torch.einsum("ph,phr->pr", x, self.down[expert_idx])                          # [P, r]
-            y = torch.einsum("pr,prh->ph", z, self.up[expert_idx]) + self.offset[expert_idx]   # [P, H]
-            return out.index_add_(0, token_idx, y * weights[:, None])
+        if token_idx.numel() * self.down[0].numel() <= self.GATHER_MAX_ELEMENTS:                # two batched products
+            z = torch.bmm(hidden[token_idx].unsqueeze(1), self.down[expert_idx])               # [P, 1, r]
+            y = torch.baddbmm(self.offset[expert_idx].unsqueeze(1), z, self.up[expert_idx])    # [P, 1, H]
+            return out.index_add_(0, token_idx, y.squeeze(1) * weights[:, None])
         expert_idx, order = torch.sort(expert_idx)
         token_idx, weights = token_idx[order], weights[order]
         x = hidden[token_idx]                                                                  # [P, H]
