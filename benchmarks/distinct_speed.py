@@ -21,7 +21,6 @@ memory: 6 layers then need 23 GiB, 5 layers 19 GiB (too much beside the KV cache
 from __future__ import annotations
 
 import argparse
-import contextlib
 import os
 import statistics
 import sys
@@ -127,15 +126,11 @@ def main() -> None:
     model = build_synthetic(args.shape, args.num_layers, dtype=dtype, device=args.device)
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                          repeats=args.repeats, warmup=args.warmup)
-    packing = pack_experts(model) if args.packed_experts else contextlib.nullcontext()
+    if args.packed_experts:
+        pack_experts(model)                       # the packed copies live until the script exits
     plan, union = distinct_plan_for(model, config, fraction=args.fraction)
     print("unrestricted union per layer: " + ", ".join(f"{u:.1f}" for u in union.values())
           + f"; M per layer: {', '.join(str(p.max_experts) for p in plan.layers.values())}", file=sys.stderr)
-    with packing:
-        run(model, plan, union, config, args, machine, started, load_at_start)
-
-
-def run(model, plan, union, config, args, machine, started, load_at_start) -> None:
     result = benchmark(model, plan, config, synthetic=True)
     result["unrestricted_union"] = {"fraction": args.fraction, "per_layer": {str(i): u for i, u in union.items()},
                                     "measured_on": "other random prompts (seed 1), same batch and decode steps"}

@@ -33,7 +33,8 @@ STATS_BYTES = 4 << 30   # second moments kept per pass (float64); more layers th
 
 
 class _Moments:
-    """Running sums for one layer: counts [E], sums of x and y [E, H], and with a rank x x^T, x y^T [E, H, H]."""
+    """Running sums for one layer: counts [E] and sums of y [E, H]; with a rank also sums of x [E, H] and
+    of x x^T, x y^T [E, H, H]."""
 
     def __init__(self, num_experts: int, hidden: int, second: bool):
         self.n = torch.zeros(num_experts, dtype=torch.float64)
@@ -42,12 +43,12 @@ class _Moments:
         self.sxx = torch.zeros(num_experts, hidden, hidden, dtype=torch.float64) if second else None
         self.sxy = torch.zeros(num_experts, hidden, hidden, dtype=torch.float64) if second else None
 
-    def add(self, experts: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
-        """experts [P], x, y [P, H]: one (token, expert) pair per row."""
+    def add(self, experts: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor) -> None:
+        """experts [P], x, y [P, H]: one (token, expert) pair per row (x only with a rank: the means need y)."""
         self.n += torch.bincount(experts, minlength=self.n.numel()).double()
-        self.sx.index_add_(0, experts, x)
         self.sy.index_add_(0, experts, y)
         if self.sxx is not None:
+            self.sx.index_add_(0, experts, x)
             for e in experts.unique().tolist():
                 rows = experts == e
                 self.sxx[e] += x[rows].T @ x[rows]
@@ -81,14 +82,12 @@ def check_fit_memory(num_experts: int, hidden: int, rank: int) -> int:
     would not fit in the host's free memory. Cheap: the CLI calls it before any weights load."""
     per_layer = 2 * num_experts * hidden * hidden * 8 if rank else 0
     if per_layer:
-        from ..measure.bench import free_memory_bytes
+        from ..measure.bench import check_free_memory
 
-        free = free_memory_bytes(torch.device("cpu"))
-        if per_layer > 0.8 * free:
-            raise AllocMoeError(f"the substitute's rank-{rank} fit keeps {per_layer / 2**30:.1f} GiB of input moments "
-                                f"per MoE layer ({num_experts} experts x {hidden} x {hidden}, twice, float64) and "
-                                f"{free / 2**30:.1f} GiB is free; give --substitute-rank 0 (the means alone) or free "
-                                "memory")
+        check_free_memory(per_layer, torch.device("cpu"), f"the substitute's rank-{rank} fit",
+                          "give --substitute-rank 0 (the means alone) or free memory",
+                          detail=f" of input moments per MoE layer ({num_experts} experts x {hidden} x {hidden}, "
+                                 "twice, float64)")
     return per_layer
 
 
@@ -118,7 +117,7 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
             x = states.repeat_interleave(k, dim=0)                                  # [T*K, H]
             outputs = compact_experts_forward(experts, x, pairs,
                                               torch.ones(pairs.shape, dtype=states.dtype, device=states.device))
-            moments[index].add(pairs[:, 0].cpu(), x.double().cpu(), outputs.double().cpu())
+            moments[index].add(pairs[:, 0].cpu(), x.double().cpu() if rank else None, outputs.double().cpu())
         return hook
 
     device = next(model.parameters()).device

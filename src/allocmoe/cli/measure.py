@@ -214,20 +214,16 @@ def _packed(model, wanted: bool):
     (before packing) when the second copy would not fit in free memory."""
     import contextlib
 
-    from ..measure.bench import free_memory_bytes
+    from ..measure.bench import check_free_memory
+    from ..routing.adapters import adapter_for_model
     from ..routing.experts import pack_experts
 
     if not wanted:
         return contextlib.nullcontext()
-    device = next(model.parameters()).device
-    from ..routing.adapters import adapter_for_model
-
-    experts = sum(p.numel() * 4 for layer in adapter_for_model(model).moe_layers(model)
+    experts = sum(p.numel() * p.element_size() for layer in adapter_for_model(model).moe_layers(model)
                   for p in layer.experts.parameters())
-    free = free_memory_bytes(device)
-    if experts > 0.8 * free:
-        raise AllocMoeError(f"--packed-experts needs a second copy of the routed experts, {experts / 2**30:.1f} GiB, "
-                            f"and {free / 2**30:.1f} GiB is free; drop it or bench fewer layers (--num-layers)")
+    check_free_memory(experts, next(model.parameters()).device, "--packed-experts",
+                      "drop it or bench fewer layers (--num-layers)", detail=" for a second copy of the routed experts")
     return pack_experts(model)
 
 
@@ -237,8 +233,8 @@ def cmd_bench(args) -> None:
     from ..calibrate.methods import METHODS, allocate
     from ..core.budget import Budget
     from ..core.plan import Plan
-    from ..measure.bench import (BenchConfig, benchmark, check_memory, distinct_plan_for, format_table,
-                                 free_memory_bytes, is_distinct_plan, parse_max_distinct)
+    from ..measure.bench import (BenchConfig, benchmark, check_free_memory, check_memory, distinct_plan_for,
+                                 format_table, is_distinct_plan, parse_max_distinct)
     from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
     from ..models import ModelSpec, check_device
 
@@ -294,10 +290,8 @@ def cmd_bench(args) -> None:
     if synthetic:
         need = parameter_bytes(cfg, dtype)
         if device == "cpu":
-            free = free_memory_bytes(torch.device("cpu"))
-            if need > 0.8 * free:
-                raise AllocMoeError(f"{args.model} with {cfg.num_hidden_layers} layers needs {need / 2**30:.1f} GiB "
-                                    f"of weights, {free / 2**30:.1f} GiB is free; pass a smaller --num-layers")
+            check_free_memory(need, torch.device("cpu"), f"{args.model} with {cfg.num_hidden_layers} layers",
+                              "pass a smaller --num-layers", detail=" of weights")
         model = build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
     else:
         model, _ = spec.load(dtype=dtype, device=device)

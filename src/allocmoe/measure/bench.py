@@ -84,6 +84,14 @@ def free_memory_bytes(device: torch.device) -> int:
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
+def check_free_memory(need: int, device: torch.device, what: str, fix: str, detail: str = "") -> None:
+    """Refuse, before allocating, `need` bytes that would take more than 80% of `device`'s free memory:
+    "<what> needs N GiB<detail>, F GiB is free; <fix>"."""
+    free = free_memory_bytes(device)
+    if need > 0.8 * free:
+        raise AllocMoeError(f"{what} needs {need / 2**30:.1f} GiB{detail}, {free / 2**30:.1f} GiB is free; {fix}")
+
+
 class Generation:
     """One prompt batch generated greedily with the KV cache, a call at a time, each call timed.
 

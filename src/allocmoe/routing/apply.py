@@ -259,9 +259,9 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
                 if means[plan_index] is not None:
                     tokens = _row_tokens(rows, hidden.size(0) // ctx.batch_size, valid.device)
                     sub_w, extra = substituted(adapter, router, scores, cand_idx, index, keep, renormalize,
-                                               means[plan_index], hidden)
+                                               means[plan_index], hidden, tokens)       # extra: [tokens, H]
                     weights[tokens] = sub_w[tokens].to(weights.dtype)
-                    pending.setdefault("extra", torch.zeros_like(extra))[tokens] = extra[tokens]
+                    pending.setdefault("extra", extra.new_zeros(hidden.size(0), extra.size(-1)))[tokens] = extra
         chosen, index = index, index.masked_fill(~keep, num_experts)         # [T, W] sentinel E where dropped
         stats.add(counts, valid)
         if outside is not None:

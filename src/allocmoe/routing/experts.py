@@ -8,8 +8,8 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
   steps with each expert's matmul written weights-first (W @ x^T). With the weight as first
   operand MKL's sgemm handles the few-row operand far better: one DeepSeek-V2-Lite expert with
   4-64 rows runs 1.5-2.2x faster, with 256 rows 1.2x (benchmarks/cpu_speed.py measures whole
-  models). An expert with at most 3 rows (batched decode) runs tokens-first (x @ W^T), MKL's
-  few-row path, which streams W once where W @ x^T took twice as long. An expert's rows are
+  models). An expert with at most 6 rows (batched decode) runs tokens-first (x @ W^T), MKL's
+  few-row path, which streams W once per 3 rows where W @ x^T took 2.4 times as long from 2 rows. An expert's rows are
   widened to a whole block of 8 from 12 rows on, because MKL runs a ragged tail of rows at up to
   1.8x the cost of a whole block (benchmarks/sgemm_rows.py prints all three curves). Tiny
   experts keep grouped_mm, whose single call beats a Python loop over experts there, and so do
@@ -96,9 +96,9 @@ def _weights_first_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[in
                           bias: torch.Tensor | None, packed: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Per expert e, rows of x grouped by expert (counts[e] each): x_e @ W_e^T (+ b_e), computed as
     (W_e @ x_e^T)^T, or as written for at most TOKENS_FIRST_MAX_ROWS rows (batched decode's usual
-    case): there MKL's sgemm streams W once, and W @ x^T took twice as long from 2 rows on (one
-    DeepSeek-V2-Lite up projection, 2-3 rows: 0.71 ms against 1.72-1.81 ms on an Intel Xeon host,
-    docs/speed/sgemm_rows_tokens_first.txt). With `packed` (pack_experts), from PACKED_FROM_ROWS rows on
+    case): there MKL's sgemm streams W once per 3 rows, and W @ x^T took twice as long from 2 rows on
+    (one DeepSeek-V2-Lite up projection: 0.71 ms for 2-3 rows and 1.4-1.5 ms for 4-6, against
+    1.7-1.8 ms, on an Intel Xeon host, docs/speed/sgemm_rows_packed.txt). With `packed` (pack_experts), from PACKED_FROM_ROWS rows on
     oneDNN's linear on the packed weights. weight is [E, O, in] ([E, in, O] when is_transposed)."""
     out_dim = weight.size(2) if is_transposed else weight.size(1)
     out = x.new_empty(x.size(0), out_dim)                                 # [S, O]
@@ -155,8 +155,9 @@ def weights_first_experts_forward(self: nn.Module, hidden_states: torch.Tensor, 
 
 class PackedExperts:
     """Every CPU fp32 routed experts module of a model, with its weights also packed for oneDNN's
-    linear (a second copy: the experts' memory doubles). `remove()` (or leaving the `with` block)
-    drops the copies; the model's own weights are never touched."""
+    linear (a second copy: the experts' memory doubles; a snapshot, so pack again after changing the
+    weights). `remove()` (or leaving the `with` block) drops the copies; the model's own weights are
+    never touched."""
 
     def __init__(self, modules: list[nn.Module]):
         self.modules = modules

@@ -88,13 +88,17 @@ class LayerSubstitute:
 
 def substituted(adapter: MoEAdapter, router, scores, cand_idx: torch.Tensor, index: torch.Tensor,
                 keep: torch.Tensor, renormalize: bool | None, substitute: LayerSubstitute,
-                hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+                hidden: torch.Tensor, tokens: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Under a substitute: the kept experts' weights [T, W] as the full model gives them, and what the
-    skipped candidates add, sum over skipped e of weight_e x stand_in_e(x) ([T, H])."""
+    skipped candidates add, sum over skipped e of weight_e x stand_in_e(x) ([T, H]; with `tokens`,
+    a mixed pass's rows of this plan, for those tokens only: [len(tokens), H])."""
     full = adapter.combine(router, scores, cand_idx, torch.ones_like(cand_idx, dtype=torch.bool), renormalize)  # [T, K]
     dense = torch.zeros_like(scores.probs, dtype=full.dtype).scatter_(1, cand_idx, full)                      # [T, E]
     kept = torch.zeros_like(dense, dtype=torch.bool).scatter_(1, index, keep)                                 # [T, E]
-    return dense.gather(1, index) * keep, substitute.dense(dense.masked_fill(kept, 0.0), hidden)
+    skipped = dense.masked_fill(kept, 0.0)                                                                    # [T, E]
+    if tokens is not None:
+        skipped, hidden = skipped[tokens], hidden[tokens]
+    return dense.gather(1, index) * keep, substitute.dense(skipped, hidden)
 
 
 def experts_forward(experts: nn.Module, pending: dict):
