@@ -3,12 +3,14 @@
 Prints, for n rows, the weights-first product W @ x^T (the CPU experts kernel's matmul from
 experts.TOKENS_FIRST_MAX_ROWS + 1 rows on) for the up projection [2816, 2048] and the down
 projection [2048, 1408], the same with the rows widened as the kernel widens them
-(experts.ROW_BLOCK / PAD_FROM_ROWS), and the tokens-first product x @ W^T (the kernel's up to
-TOKENS_FIRST_MAX_ROWS rows: on an Intel Xeon host W @ x^T cost twice as much from 2 rows on, as
-much as the tokens-first product from 4 rows on). Weights cycle over 8
-experts so they come from memory, as in a real layer. Shows why the kernel widens ragged row
-counts, and why a half budget cannot halve prefill time on CPU: even one row streams the
-expert's 35 MB of weights.
+(experts.ROW_BLOCK / PAD_FROM_ROWS), the tokens-first product x @ W^T (on an Intel Xeon host
+W @ x^T cost twice as much from 2 rows on, as much as the tokens-first product from 4 rows on),
+and the same with W in slices of experts.SLICE_ROWS output rows (the kernel's product from
+SLICED_FROM_ROWS to TOKENS_FIRST_MAX_ROWS rows: MKL passes over W once per 3 rows, and over a
+slice the later passes hit cache). Weights cycle over 48 experts (1.6 GB) so they come from
+memory, as in a real layer (8 experts, 280 MB, partly fit this host's cache). Shows why the
+kernel widens ragged row counts, slices W at 4-8 rows, and why a half budget cannot halve
+prefill time on CPU: even one row streams the expert's 35 MB of weights.
 
     python benchmarks/sgemm_rows.py [--max-rows 40] [--threads N] [--packed]
 
@@ -26,22 +28,25 @@ import torch
 
 from machine import cpu_name
 
-from allocmoe.routing.experts import _packed_linear, _row_window
+from allocmoe.routing.experts import SLICED_FROM_ROWS, _packed_linear, _row_window, _tokens_first
 
-EXPERTS = 8       # distinct weight matrices cycled through, so each product reads its weights from memory
+EXPERTS = 48      # distinct weight matrices cycled through, so each product reads its weights from memory
 
 
 
 
 def time_rows(weights: torch.Tensor, x: torch.Tensor, rows: int, repeats: int, tokens_first: bool = False,
-              packed: list[torch.Tensor] | None = None) -> float:
-    """Median milliseconds of one weights-first (or tokens-first, or packed oneDNN) product on `rows` rows of x."""
+              packed: list[torch.Tensor] | None = None, sliced: bool = False) -> float:
+    """Median milliseconds of one weights-first (or tokens-first, sliced tokens-first, or packed
+    oneDNN) product on `rows` rows of x."""
     samples = []
     for _ in range(repeats + 1):
         start = time.perf_counter()
         for e in range(EXPERTS):
             if packed is not None:
                 _packed_linear(x[:rows], packed[e])
+            elif sliced:
+                _tokens_first(x[:rows], weights[e])
             elif tokens_first:
                 torch.mm(x[:rows], weights[e].t())
             else:
@@ -68,8 +73,9 @@ def main() -> None:
     packed = {name: [torch.ops.mkldnn._reorder_linear_weight(w, 16) for w in weights]
               for name, weights in projections.items()} if args.packed else {}
     print(f"{cpu_name()}, torch {torch.__version__}, {torch.get_num_threads()} threads, fp32; milliseconds per "
-          "product, weights-first as is -> widened (widened rows) | tokens-first" + (" | packed" if packed else ""))
-    print("rows  " + "  ".join(f"{name:>39}" for name in projections))
+          "product, weights-first as is -> widened (widened rows) | tokens-first | sliced (from "
+          f"{SLICED_FROM_ROWS} rows)" + (" | packed" if packed else ""))
+    print("rows  " + "  ".join(f"{name:>48}" for name in projections))
     with torch.no_grad():
         for rows in range(1, args.max_rows + 1):
             lo, hi = _row_window(0, rows, args.max_rows + spare)
@@ -78,11 +84,12 @@ def main() -> None:
                 plain = time_rows(weights, inputs[name], rows, args.repeats)
                 widened = time_rows(weights, inputs[name], hi - lo, args.repeats) if hi - lo != rows else plain
                 tokens_first = time_rows(weights, inputs[name], rows, args.repeats, tokens_first=True)
-                cell = f"{plain:8.2f} -> {widened:6.2f} ({hi - lo:2d}) | {tokens_first:6.2f}"
+                sliced = time_rows(weights, inputs[name], rows, args.repeats, sliced=True)
+                cell = f"{plain:8.2f} -> {widened:6.2f} ({hi - lo:2d}) | {tokens_first:6.2f} | {sliced:6.2f}"
                 if packed:
                     cell += f" | {time_rows(weights, inputs[name], rows, args.repeats, packed=packed[name]):6.2f}"
                 cells.append(cell)
-            print(f"{rows:4d}  " + "  ".join(f"{cell:>39}" for cell in cells), flush=True)
+            print(f"{rows:4d}  " + "  ".join(f"{cell:>48}" for cell in cells), flush=True)
 
 
 if __name__ == "__main__":

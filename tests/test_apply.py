@@ -170,6 +170,48 @@ def test_weights_first_path_with_widened_row_windows_equals_the_dense_reference(
     assert torch.allclose(out, reference, atol=1e-5)
 
 
+def test_tokens_first_product_in_slices_equals_one_product(monkeypatch):
+    """From SLICED_FROM_ROWS rows the product runs W in slices of SLICE_ROWS output rows (here 5,
+    so 23 rows make 5 slices, the last one ragged), a transposed view included; below, in one piece."""
+    from allocmoe.routing import experts
+
+    monkeypatch.setattr(experts, "SLICE_ROWS", 5)
+    calls = []
+    mm = torch.mm
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.size(1)) or mm(a, b))
+    gen = torch.Generator().manual_seed(3)
+    weight = torch.randn(23, 16, generator=gen)
+    for w in (weight, torch.randn(16, 23, generator=gen).t()):                  # [O, in], contiguous or not
+        for rows in range(1, experts.TOKENS_FIRST_MAX_ROWS + 1):
+            x = torch.randn(rows, 16, generator=gen)
+            calls.clear()
+            out = experts._tokens_first(x, w)
+            assert torch.allclose(out, x @ w.t(), atol=1e-6)
+            assert calls == ([5, 5, 5, 5, 3] if rows >= experts.SLICED_FROM_ROWS else [23])
+
+
+@pytest.mark.parametrize("model_type", ["deepseek_v2", "gpt_oss"])
+@torch.no_grad()
+def test_weights_first_path_with_sliced_tokens_first_experts_equals_transformers_grouped_mm(model_type, monkeypatch):
+    """Experts of 4-8 rows run tokens-first in slices (SLICE_ROWS made small so a tiny model's
+    projections are cut, raggedly); gpt_oss adds transposed weights and biases."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from allocmoe.routing import experts as kernel
+
+    monkeypatch.setattr(kernel, "SLICE_ROWS", 7)
+    model = build_tiny(model_type)
+    gen = torch.Generator().manual_seed(4)
+    experts = experts_with_biases(model, gen)
+    num_experts = experts.num_experts
+    hidden = torch.randn(3 * num_experts, model.config.hidden_size, generator=gen)
+    index, weights = random_selection(3 * num_experts, num_experts, 2, gen)
+    counts = torch.bincount(index.flatten(), minlength=num_experts + 1)[:num_experts]
+    assert ((counts >= kernel.SLICED_FROM_ROWS) & (counts <= kernel.TOKENS_FIRST_MAX_ROWS)).sum() >= 2
+    reference = grouped_mm_experts_forward(experts, hidden, index.clamp(max=num_experts - 1), weights)
+    assert torch.allclose(kernel.weights_first_experts_forward(experts, hidden, index, weights), reference, atol=1e-5)
+
+
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "qwen2_moe", "olmoe", "gpt_oss"])
 @torch.no_grad()
 def test_cpu_weights_first_path_equals_transformers_grouped_mm(model_type):
