@@ -14,6 +14,7 @@ import torch
 from allocmoe import AllocMoeError, DistinctExperts, Plan, allocate, allocate_distinct, apply_plan, distinct_profile
 from allocmoe import evaluate_perplexity, load_model, static_plan
 from allocmoe.calibrate import distinct as distinct_module
+from allocmoe.calibrate.cells import CellRun
 from allocmoe.calibrate.distinct import distinct_total, parse_distinct_budget, profile_grid
 from allocmoe.cli import main
 from allocmoe.core.policies import StaticTopK
@@ -187,7 +188,7 @@ def test_an_interrupted_profile_resumes_from_its_file(tiny, profile, tmp_path, m
 
 def test_a_budget_below_one_expert_per_layer_is_refused_before_any_cell(tiny, monkeypatch):
     model, tok, text = tiny
-    monkeypatch.setattr(distinct_module._CellRun, "cells", lambda *a: pytest.fail("a cell ran"))
+    monkeypatch.setattr(CellRun, "cells", lambda *a: pytest.fail("a cell ran"))
     with pytest.raises(AllocMoeError, match="below 3 .one per layer.; give at least"):
         allocate_distinct("0.105", model=model, tokenizer=tok, calib_text=text, config=CONFIG)
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from allocmoe.calibrate.prefix import layer_passes, naive_layer_passes, profile_schedule
-from allocmoe.calibrate.profile import _CellBar, profile_cells, profile_sensitivity
+from allocmoe.calibrate.cells import CellBar
+from allocmoe.calibrate.profile import profile_cells, profile_sensitivity
 from conftest import FAMILIES, KillAfter, build_tiny, relative_difference
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
@@ -131,7 +132,7 @@ def test_a_model_without_a_decoder_stack_is_profiled_the_naive_way(tok, monkeypa
 
 
 def test_time_left_follows_the_work_left_not_the_cells_left():
-    bar = _CellBar(total=10, work_total=100, file=io.StringIO(), bar_format="{remaining}")
+    bar = CellBar(total=10, work_total=100, file=io.StringIO(), bar_format="{remaining}")
     bar.update(5)
     bar.work_done = 90                                                # half the cells, 90% of the work
     bar.start_t = bar._time() - 90.0

@@ -36,13 +36,11 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from ..core.budget import read_fraction_or_count, round_half_up
 from ..core.config import check_counts, checked_config
@@ -54,7 +52,7 @@ from ..errors import AllocMoeError
 from ..measure.evaluate.perplexity import (check_decode_batch, default_seq_len, evaluate_perplexity,
                                            tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
-from .prefix import PrefixCacheUnsupported, PrefixStates, Step, cell_schedule, layer_passes, step_layer_passes
+from .cells import CellBar, CellRun
 from .profile import resumed_cells
 
 PROFILE_KIND = "distinct"
@@ -211,14 +209,15 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     resume = Path(resume_file) if resume_file else None
     done = resumed_cells(resume, run_key, "distinct profile resume file") if resume else {}
     todo = [cell for cell in cells if _key(cell) not in done]
-    run = _CellRun(model, windows, routed, config, fingerprint, todo)
+    run = _cell_run(model, windows, routed, config, fingerprint, todo)
     if config.progress:
         print(f"distinct profile: {len(cells)} cells ({len(todo)} to run) over {num_layers} MoE layers, "
               f"{calibration['tokens_scored']} calibration tokens at decode batch {config.decode_batch}, about "
               f"{run.planned_passes() / max(1, routed.numel() * run.num_decoder_layers):.0f} full-pass equivalents",
               file=sys.stderr)
-    bar = tqdm(total=len(cells), initial=len(cells) - len(todo), desc="distinct profile", unit="cell",
-               disable=not config.progress)
+    bar = CellBar(total=len(cells), initial=len(cells) - len(todo), desc="distinct profile", unit="cell",
+                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+                  disable=not config.progress, work_total=run.planned_passes())
     arrivals = run.cells(bar)
     try:
         for cell, ppl in arrivals:
@@ -243,7 +242,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
         "measured": grids, "sensitivity": sensitivity,
         "provenance": {"cells": len(cells), "cells_resumed": len(cells) - len(todo),
                        "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
-                       "torch_threads": torch.get_num_threads(), **run.provenance()},
+                       "torch_threads": torch.get_num_threads(), **_with_unrestricted(run.provenance(), routed.numel())},
     }
     if resume and resume.exists():
         resume.unlink()
@@ -268,85 +267,23 @@ def _key(cell: tuple[int, int]) -> str:
     return f"{cell[0]},{cell[1]}"
 
 
-class _CellRun:
-    """The cells' passes: grouped by layer, each group started at its layer from held states
-    (prefix cache), or full passes when the model refuses that (or it is off)."""
+def _cell_run(model, windows: torch.Tensor, routed: torch.Tensor, config: DistinctConfig,
+              fingerprint: dict[str, Any], todo: list[tuple[int, int]]) -> CellRun:
+    """The profile's cells (cells.py): cell (position, M) starts at its MoE layer; the prefix cache
+    holds the states of `routed` (the windows topped up to whole decode batches, as scoring runs them)."""
+    moe_layers = fingerprint["moe_layers"]
+    return CellRun(
+        model, routed, config.decode_batch, sorted(todo), prefix_cache=config.prefix_cache,
+        start_layer=lambda cell: moe_layers[cell[0]],
+        plan_for=lambda cell: _cell_plan(fingerprint, cell[0], cell[1], config.k_floor),
+        score=lambda: _score(model, windows, config.decode_batch),
+        label=lambda cell: f"MoE layer {cell[0] + 1}/{len(moe_layers)} M={cell[1]}")
 
-    def __init__(self, model, windows: torch.Tensor, routed: torch.Tensor, config: DistinctConfig,
-                 fingerprint: dict[str, Any], todo: list[tuple[int, int]]):
-        self.model, self.windows, self.config, self.fingerprint = model, windows, config, fingerprint
-        self.moe_layers = fingerprint["moe_layers"]
-        self.num_decoder_layers = int(getattr(model.config, "num_hidden_layers", max(self.moe_layers) + 1))
-        self.tokens, self.check_tokens = int(routed.numel()), int(routed.size(1))
-        self.prefix: PrefixStates | None = None
-        self.refused: str | None = None
-        if config.prefix_cache and todo:
-            try:
-                self.prefix = PrefixStates(model, routed, config.decode_batch)
-            except PrefixCacheUnsupported as exc:
-                self._refuse(exc)
-        self.steps = self._schedule(todo)
-        self.passes, self.naive_passes, self.peak_cache_bytes = 0, 0, 0
 
-    def _schedule(self, todo: list[tuple[int, int]]) -> list[Step]:
-        return cell_schedule(sorted(todo), lambda cell: self.moe_layers[cell[0]], self.num_decoder_layers,
-                             prefix_cache=self.prefix is not None)
-
-    def planned_passes(self) -> int:
-        return layer_passes(self.steps, self.tokens, self.check_tokens)
-
-    def _refuse(self, exc: Exception) -> None:
-        self.refused = str(exc)
-        print(f"allocmoe: warning: no prefix cache for this model ({exc}); every cell runs the whole model",
-              file=sys.stderr)
-        self.release()
-        self.prefix = None
-
-    def cells(self, bar):
-        """Run the schedule, yielding (cell, perplexity) as each cell finishes."""
-        index = 0
-        while index < len(self.steps):
-            step = self.steps[index]
-            try:
-                if step.kind == "advance":
-                    self.prefix.advance(step.stop)
-                elif step.kind == "check":
-                    self.prefix.check(step.start)
-                else:
-                    position, max_experts = step.configuration
-                    bar.set_postfix_str(f"MoE layer {position + 1}/{len(self.moe_layers)} M={max_experts}",
-                                        refresh=False)
-                    start = self.prefix.passes_from(step.start) if step.start else nullcontext()
-                    with apply_plan(self.model, _cell_plan(self.fingerprint, position, max_experts,
-                                                           self.config.k_floor)):
-                        with start:
-                            ppl = _score(self.model, self.windows, self.config.decode_batch)
-            except PrefixCacheUnsupported as exc:          # the rest of the cells as full passes
-                self._refuse(exc)
-                rest = [later.configuration for later in self.steps[index:] if later.kind == "cell"]
-                self.steps[index:] = self._schedule(rest)
-                continue
-            self.passes += step_layer_passes(step, self.tokens, self.check_tokens)
-            index += 1
-            if step.kind == "cell":
-                self.naive_passes += self.tokens * self.num_decoder_layers
-                yield step.configuration, ppl
-
-    def release(self) -> None:
-        if self.prefix is not None:
-            self.peak_cache_bytes = max(self.peak_cache_bytes, self.prefix.peak_bytes)
-            self.prefix.release()
-
-    def provenance(self) -> dict[str, Any]:
-        """Work in decoder-layer passes this run made (the unrestricted pass included), beside full
-        passes for the same cells. Call after `release`."""
-        unrestricted = self.tokens * self.num_decoder_layers
-        facts = {"prefix_cache": self.config.prefix_cache and self.refused is None,
-                 "layer_passes": self.passes + unrestricted, "naive_layer_passes": self.naive_passes + unrestricted,
-                 "decoder_layers": self.num_decoder_layers, "peak_cache_bytes": self.peak_cache_bytes}
-        if self.refused:
-            facts["prefix_cache_refused"] = self.refused
-        return facts
+def _with_unrestricted(facts: dict[str, Any], tokens: int) -> dict[str, Any]:
+    """The run's work with the unrestricted pass (one full pass, in both counts) added."""
+    full = tokens * facts["decoder_layers"]
+    return {**facts, "layer_passes": facts["layer_passes"] + full, "naive_layer_passes": facts["naive_layer_passes"] + full}
 
 
 def check_distinct_profile(profile: Any, fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:

@@ -1,7 +1,7 @@
 """Profiling and sweeping on Ray: the same cells and rows, spread over actors that each load the model once.
 
 Not a scheduler of its own and not a second protocol: a worker runs what it is given with the very
-code of the single process (profile._ProfileRun, prefix cache included, and sweep._RowWork), so a
+code of the single process (profile.cell_run, prefix cache included, and sweep._RowWork), so a
 cell's or a row's number is the single-process one (bit for bit when workers and the single process
 use the same torch thread count; a different count can change float sums in the matmuls).
 
@@ -183,9 +183,9 @@ class _ProfileJob:
         self.windows, self.config, self.fingerprint = windows, config, fingerprint
 
     def run(self, model, tokenizer, group: list[tuple[int, ...]]):
-        from .profile import _ProfileRun
+        from .profile import cell_run
 
-        run = _ProfileRun(model, tokenizer, self.windows, self.config, self.fingerprint, group)
+        run = cell_run(model, tokenizer, self.windows, self.config, self.fingerprint, group)
         try:
             for configuration, ppl in run.cells(_NoBar()):
                 yield "cell", (configuration, ppl)
@@ -209,7 +209,7 @@ class _NoBar:
 
 
 class RayProfileRun:
-    """The passes of a profile run on Ray, with the interface of profile._ProfileRun: `cells(bar)`
+    """The passes of a profile run on Ray, with the interface of cells.CellRun: `cells(bar)`
     yields (configuration, perplexity) as cells come back, in whatever order they finish."""
 
     def __init__(self, spec, windows: torch.Tensor, config, fingerprint: dict[str, Any], todo: list[tuple[int, ...]],

@@ -39,13 +39,11 @@ import math
 import os
 import sys
 import time
-from contextlib import nullcontext
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
-from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
 from ..core.config import check_counts, checked_config
@@ -56,8 +54,8 @@ from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
 from ..core.plan import check_fingerprint, model_fingerprint
 from .onload import OnloadedModel
-from .prefix import (PrefixCacheUnsupported, PrefixStates, layer_passes, profile_schedule, start_position,
-                     step_layer_passes)
+from .cells import CellBar, CellRun
+from .prefix import start_position
 from .walk import WalkRun, memory_plan, whole_model_facts
 
 
@@ -153,8 +151,8 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     elif spec is not None and todo:
         model, onloaded, run = _folder_run(spec, tokenizer, windows, config, fingerprint, todo)
     else:
-        run = _ProfileRun(model, tokenizer, windows, config, fingerprint, todo)
-    bar = _CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
+        run = cell_run(model, tokenizer, windows, config, fingerprint, todo)
+    bar = CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
                    bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                    disable=not config.progress, work_total=run.planned_passes())
     arrivals = run.cells(bar)
@@ -218,13 +216,13 @@ def _folder_run(spec, tokenizer, windows: torch.Tensor, config: ProfileConfig, f
     before any weight is read)."""
     if config.max_memory is None:
         model, _ = spec.load()
-        return model, None, _ProfileRun(model, tokenizer, windows, config, fingerprint, todo)
+        return model, None, cell_run(model, tokenizer, windows, config, fingerprint, todo)
     onloaded = OnloadedModel(spec)
     plan = memory_plan(onloaded, windows, config.batch_size, config.max_memory)
     if plan.fits():
         for name in onloaded.pieces:
             onloaded.load(name)
-        return onloaded.model, onloaded, _ProfileRun(onloaded.model, tokenizer, windows, config, fingerprint, todo,
+        return onloaded.model, onloaded, cell_run(onloaded.model, tokenizer, windows, config, fingerprint, todo,
                                                      facts=whole_model_facts(onloaded, plan))
     plan.check()
     return onloaded.model, onloaded, WalkRun(onloaded, windows, config, fingerprint, todo, plan)
@@ -243,105 +241,18 @@ def _key(configuration: tuple[int, ...]) -> str:
     return ",".join(map(str, configuration))
 
 
-class _ProfileRun:
-    """The passes of one profiling run: the prefix-cached schedule when the model allows it, full
-    passes otherwise (or from the moment the prefix cache is refused), with the work they cost."""
-
-    def __init__(self, model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fingerprint: dict[str, Any],
-                 todo: list[tuple[int, ...]], facts: dict[str, Any] | None = None):
-        self.model, self.tokenizer, self.windows, self.config = model, tokenizer, windows, config
-        self.facts = facts or {}                   # more provenance (how a capped run loaded the model)
-        self.moe_layers, self.k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
-        self.num_decoder_layers = int(getattr(model.config, "num_hidden_layers", max(self.moe_layers) + 1))
-        self.tokens, self.check_tokens = int(windows.numel()), int(windows.size(1))   # the check: one window
-        self.prefix: PrefixStates | None = None
-        self.refused: str | None = None
-        if config.prefix_cache and todo:
-            try:
-                self.prefix = PrefixStates(model, windows, config.batch_size)
-            except PrefixCacheUnsupported as exc:
-                self._refuse(exc)
-        self.steps = profile_schedule(todo, self.moe_layers, self.num_decoder_layers, self.k_orig,
-                                      prefix_cache=self.prefix is not None)
-        self.passes, self.naive_passes, self.peak_cache_bytes = 0, 0, 0
-
-    def planned_passes(self) -> int:
-        return layer_passes(self.steps, self.tokens, self.check_tokens)
-
-    def _refuse(self, exc: Exception) -> None:
-        self.refused = str(exc)
-        print(f"allocmoe: warning: no prefix cache for this model ({exc}); every cell runs the whole model",
-              file=sys.stderr)
-        self.release()
-        self.prefix = None
-
-    def cells(self, bar: "_CellBar"):
-        """Run the schedule, yielding (configuration, perplexity) as each cell finishes."""
-        ppl_config = {"batch_size": self.config.batch_size, "progress": False}
-        index = 0
-        while index < len(self.steps):
-            step = self.steps[index]
-            try:
-                if step.kind == "advance":
-                    self.prefix.advance(step.stop)
-                elif step.kind == "check":
-                    self.prefix.check(step.start)
-                else:
-                    bar.set_postfix_str(f"MoE layer {start_position(step.configuration, self.k_orig) + 1}"
-                                        f"/{len(self.moe_layers)}", refresh=False)
-                    start = self.prefix.passes_from(step.start) if step.start else nullcontext()
-                    with apply_plan(self.model, static_plan(self.model, list(step.configuration), method="profile")):
-                        with start:
-                            ppl = evaluate_perplexity(self.model, self.tokenizer, "", ppl_config,
-                                                      windows=self.windows).perplexity
-            except PrefixCacheUnsupported as exc:   # the rest of the cells as full passes
-                self._refuse(exc)
-                rest = [later.configuration for later in self.steps[index:] if later.kind == "cell"]
-                self.steps[index:] = profile_schedule(rest, self.moe_layers, self.num_decoder_layers, self.k_orig,
-                                                      prefix_cache=False)
-                bar.work_total = self.passes + layer_passes(self.steps[index:], self.tokens, self.check_tokens)
-                continue
-            work = step_layer_passes(step, self.tokens, self.check_tokens)
-            self.passes += work
-            bar.work_done += work
-            index += 1
-            if step.kind == "cell":
-                self.naive_passes += self.tokens * self.num_decoder_layers
-                yield step.configuration, ppl
-
-    def release(self) -> None:
-        if self.prefix is not None:
-            self.peak_cache_bytes = max(self.peak_cache_bytes, self.prefix.peak_bytes)
-            self.prefix.release()
-
-    def provenance(self) -> dict[str, Any]:
-        """Work in decoder-layer passes (tokens x decoder layers) this run made (a step cut short by
-        a refusal is not counted), beside what full passes for the same cells make; the most bytes
-        of hidden states held at once. Call after `release`."""
-        facts = {"prefix_cache": self.config.prefix_cache and self.refused is None, "layer_passes": self.passes,
-                 "naive_layer_passes": self.naive_passes, "decoder_layers": self.num_decoder_layers,
-                 "peak_cache_bytes": self.peak_cache_bytes}
-        if self.refused:
-            facts["prefix_cache_refused"] = self.refused
-        return {**facts, **self.facts}
-
-
-class _CellBar(tqdm):
-    """Cells done of all cells, with time left from the work left rather than the cells left: a
-    cell of a deep layer runs few decoder layers, so counting cells would overstate it."""
-
-    def __init__(self, *args, work_total: int, **kwargs):
-        self.work_total, self.work_done = work_total, 0
-        super().__init__(*args, **kwargs)
-
-    @property
-    def format_dict(self):
-        facts = super().format_dict
-        cells_left = (facts.get("total") or 0) - facts["n"]
-        if self.work_done and facts.get("elapsed") and cells_left > 0:
-            seconds_left = (self.work_total - self.work_done) * facts["elapsed"] / self.work_done
-            facts["rate"] = cells_left / seconds_left if seconds_left > 0 else None  # tqdm: left = cells / rate
-        return facts
+def cell_run(model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fingerprint: dict[str, Any],
+             todo: list[tuple[int, ...]], facts: dict[str, Any] | None = None) -> CellRun:
+    """The profile's cells on a loaded model (cells.py): each configuration starts at its first MoE
+    layer below K_orig and is scored by the perplexity evaluation, unchanged."""
+    moe_layers, k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
+    ppl_config = {"batch_size": config.batch_size, "progress": False}
+    return CellRun(
+        model, windows, config.batch_size, todo, prefix_cache=config.prefix_cache, facts=facts,
+        start_layer=lambda cfg: moe_layers[start_position(cfg, k_orig)],
+        plan_for=lambda cfg: static_plan(model, list(cfg), method="profile"),
+        score=lambda: evaluate_perplexity(model, tokenizer, "", ppl_config, windows=windows).perplexity,
+        label=lambda cfg: f"MoE layer {start_position(cfg, k_orig) + 1}/{len(moe_layers)}")
 
 
 def resumed_cells(partial_path: Path, run_key: dict[str, Any], what: str = "partial profile") -> dict[str, float]:

@@ -174,7 +174,7 @@ def _head_working_bytes(config, batch: int, length: int, element: int) -> int:
 # -- the walk --------------------------------------------------------------------------------------------
 class WalkRun:
     """The passes of a profiling run that reads the model layer by layer, with the work and the reads
-    they cost; the same interface as profile._ProfileRun."""
+    they cost; the same interface as cells.CellRun."""
 
     def __init__(self, onloaded: OnloadedModel, windows: torch.Tensor, config, fingerprint: dict[str, Any],
                  todo: list[tuple[int, ...]], plan: MemoryPlan):
