@@ -63,10 +63,12 @@ def test_the_selection_follows_the_documented_rule_step_by_step(batch_size, step
     valid[1::5] = False                                                   # some padding in every layout
     cand_probs, cand_idx = probs.topk(k_orig, dim=-1)
     policy = DistinctExperts(max_experts, k_floor)
-    index, keep, outside = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
+    index, keep, outside, distinct = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
     expected, expected_outside = reference(probs, valid, batch_size, k_orig, max_experts, k_floor)
     assert kept_sets(index.masked_fill(~keep, 16), 16) == expected
     assert outside.tolist() == [o and bool(v) for o, v in zip(expected_outside, valid)]
+    loaded = [set().union(*(expected[b * steps + s] for b in range(batch_size))) for s in range(steps)]
+    assert distinct.tolist() == [len(experts) for experts in loaded]
 
 
 @pytest.mark.parametrize("seed", range(6))
@@ -105,11 +107,11 @@ def test_a_token_may_keep_its_first_and_third_choice_and_a_stranded_token_gets_t
     probs = torch.tensor([[0.50, 0.30, 0.15, 0.03, 0.02],
                           [0.20, 0.01, 0.60, 0.17, 0.02]])
     cand_probs, cand_idx = probs.topk(3, dim=-1)
-    index, keep, outside = DistinctExperts(2).select(cand_idx, cand_probs, probs, torch.ones(2, dtype=torch.bool), 2)
+    index, keep, outside, _ = DistinctExperts(2).select(cand_idx, cand_probs, probs, torch.ones(2, dtype=torch.bool), 2)
     assert kept_sets(index.masked_fill(~keep, 5), 5) == [{0, 2}, {2, 0}]     # token 0 keeps its 1st and 3rd
     assert not outside.any()
     # M = 1: the top-1s (0 and 2) do not fit; they still go first, and 2 (summed 0.75) beats 0 (0.70)
-    index, keep, outside = DistinctExperts(1).select(cand_idx, cand_probs, probs, torch.ones(2, dtype=torch.bool), 2)
+    index, keep, outside, _ = DistinctExperts(1).select(cand_idx, cand_probs, probs, torch.ones(2, dtype=torch.bool), 2)
     assert kept_sets(index.masked_fill(~keep, 5), 5) == [{2}, {2}] and outside.tolist() == [True, False]
     # three tokens, M = 2: the top-1s 0, 3, 4 do not fit; 3 (1.06) and 4 (0.86) beat 0 (0.40), so token 0
     # has no chosen candidate and keeps the chosen expert it gives the most probability (4: 0.06 > 0.04)
@@ -117,7 +119,7 @@ def test_a_token_may_keep_its_first_and_third_choice_and_a_stranded_token_gets_t
                           [0.01, 0.01, 0.02, 0.80, 0.16],
                           [0.01, 0.02, 0.01, 0.26, 0.70]])
     cand_probs, cand_idx = probs.topk(3, dim=-1)
-    index, keep, outside = DistinctExperts(2).select(cand_idx, cand_probs, probs, torch.ones(3, dtype=torch.bool), 3)
+    index, keep, outside, _ = DistinctExperts(2).select(cand_idx, cand_probs, probs, torch.ones(3, dtype=torch.bool), 3)
     assert kept_sets(index.masked_fill(~keep, 5), 5) == [{4}, {3, 4}, {3, 4}] and outside.tolist() == [True, False, False]
 
 

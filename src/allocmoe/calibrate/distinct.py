@@ -242,7 +242,8 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
         "measured": grids, "sensitivity": sensitivity,
         "provenance": {"cells": len(cells), "cells_resumed": len(cells) - len(todo),
                        "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
-                       "torch_threads": torch.get_num_threads(), **_with_unrestricted(run.provenance(), routed.numel())},
+                       "torch_threads": torch.get_num_threads(),
+                       **_with_unrestricted(run.provenance(), routed.numel())},
     }
     if resume and resume.exists():
         resume.unlink()

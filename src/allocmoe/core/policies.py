@@ -114,16 +114,19 @@ class NaeeSkip:
         return kept.long().cumprod(-1).sum(-1)                          # [T] length of the kept prefix
 
 
+def step_count(num_tokens: int, batch_size: int) -> int:
+    """Decode steps in a [B, S] pass of T tokens (token_steps)."""
+    return num_tokens // batch_size if batch_size >= 1 and num_tokens and num_tokens % batch_size == 0 else 1
+
+
 def token_steps(num_tokens: int, batch_size: int, device=None) -> tuple[torch.Tensor, int]:
     """The decode step of each token of a [B, S] pass: (step [T], number of steps S).
 
     Token t = b * S + s belongs to step s: the tokens at the same position (column) of every
     sequence, which is what one batched decode step routes together. A pass whose T is not a
     multiple of B is one step (the conservative reading: every real step is a subset of it)."""
-    if batch_size >= 1 and num_tokens % batch_size == 0 and num_tokens:
-        steps = num_tokens // batch_size
-        return torch.arange(num_tokens, device=device) % steps, steps
-    return torch.zeros(num_tokens, dtype=torch.long, device=device), 1
+    steps = step_count(num_tokens, batch_size)
+    return torch.arange(num_tokens, device=device) % steps, steps
 
 
 @dataclass(frozen=True)
@@ -161,14 +164,16 @@ class DistinctExperts:
             raise AllocMoeError(f"distinct policy's k (informational) must lie in [1, {k_orig}], got k={self.k}")
 
     def select(self, cand_idx: torch.Tensor, cand_probs: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor,
-               batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """-> (index [T, K] expert ids, keep [T, K], top1_outside [T]): each token's candidates with
-        slot 0 replaced by its fallback expert where none was chosen; top1_outside marks the real
-        tokens whose own top-1 was not chosen. No device-to-host sync."""
+               batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """-> (index [T, K] expert ids, keep [T, K], top1_outside [T], distinct [S]): each token's
+        candidates with slot 0 replaced by its fallback expert where none was chosen; top1_outside
+        marks the real tokens whose own top-1 was not chosen; distinct counts the experts each step
+        loads. No device-to-host sync."""
         num_tokens, k_orig = cand_idx.shape
         num_experts = probs.size(-1)
         device = cand_idx.device
-        step, num_steps = token_steps(num_tokens, batch_size, device)                      # [T]
+        num_steps = step_count(num_tokens, batch_size)
+        step = torch.arange(num_tokens, device=device) % num_steps                          # [T]
         slot = step[:, None] * num_experts + cand_idx                                       # [T, K] into [S*E]
         rank = torch.arange(k_orig, device=device).expand(num_tokens, k_orig)               # [T, K]
         rank = torch.where(valid[:, None], rank, k_orig)                                    # padding holds nothing
@@ -185,17 +190,16 @@ class DistinctExperts:
         by_score = score.argsort(dim=-1, descending=True, stable=True)                      # ties: lower index
         tier = (first.long() * 2 + held.long()).gather(-1, by_score)
         order = by_score.gather(-1, tier.argsort(dim=-1, descending=True, stable=True))     # [S, E] best first
-        places = torch.arange(num_experts, device=device).expand_as(order)
-        position = torch.empty_like(order).scatter_(-1, order, places)                      # [S, E] place in order
-        chosen = (position < self.max_experts) & held                                       # [S, E]
+        chosen = torch.zeros_like(held).scatter_(-1, order[:, :self.max_experts], True) & held  # [S, E]
         keep = chosen.view(-1)[slot] & valid[:, None]                                       # [T, K]
+        outside = valid & ~keep[:, 0]                                                       # [T]
         stranded = valid & ~keep.any(-1)                                                    # [T] nothing chosen
         in_set = chosen.index_select(0, step)                                               # [T, E]
         fallback = probs.float().masked_fill(~in_set, float("-inf")).argmax(-1)             # [T]
         index = cand_idx.clone()
         index[:, 0] = torch.where(stranded, fallback, cand_idx[:, 0])
         keep[:, 0] |= stranded
-        return index, keep, valid & ~chosen.view(-1)[slot[:, 0]]
+        return index, keep, outside, chosen.sum(-1)
 
 
 Policy = StaticTopK | AllocT | TopP | NaeeSkip | DistinctExperts
@@ -249,7 +253,7 @@ def select_experts(probs: torch.Tensor, policy: Policy, k_orig: int, valid: torc
     valid = torch.ones(probs.size(0), dtype=torch.bool, device=probs.device) if valid is None else valid
     cand_probs, cand_idx = probs.topk(k_orig, dim=-1)                    # [T, K] sorted descending
     if isinstance(policy, DistinctExperts):
-        index, keep, _ = policy.select(cand_idx, cand_probs, probs, valid, batch_size)   # [T, K]
+        index, keep, _, _ = policy.select(cand_idx, cand_probs, probs, valid, batch_size)   # [T, K]
         return probs.gather(-1, index) * keep, index.masked_fill(~keep, num_experts)
     counts = policy.counts(cand_probs, valid, batch_size)                # [T]
     width = max(int(counts.max()), 1) if counts.numel() else 1

@@ -40,7 +40,8 @@ from .experts import compact_experts_forward
 from .substitute import LayerSubstitute, experts_forward, layer_substitute, substituted
 from ..core.plan import Plan
 from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distinct_per_step,
-                             expected_alloc_t_activations, prefix_mask, token_steps)
+                             expected_alloc_t_activations, prefix_mask, step_count)
+
 
 # Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
 # routed pass: each token's ranked candidates, their probabilities, and how many it keeps; the
@@ -115,6 +116,14 @@ class LayerStats:
         self.distinct = self.distinct + (distinct * real).sum()
         self.distinct_max = most if self.distinct_max is None else torch.maximum(self.distinct_max, most)
 
+    def add_step_counts(self, distinct: torch.Tensor) -> None:
+        """distinct [S]: experts each step loaded, as the distinct policy counted them while choosing
+        (0 exactly for a step without real tokens, at least 1 otherwise)."""
+        most = distinct.max()
+        self.steps = self.steps + (distinct > 0).sum()
+        self.distinct = self.distinct + distinct.sum()
+        self.distinct_max = most if self.distinct_max is None else torch.maximum(self.distinct_max, most)
+
     def add_top1(self, outside: torch.Tensor, routed: torch.Tensor) -> None:
         self.chooser_tokens = self.chooser_tokens + routed.sum()
         self.top1_outside = self.top1_outside + (outside & routed).sum()
@@ -143,7 +152,7 @@ def _per_step_counts(policy: AllocT, cand_probs: torch.Tensor, valid: torch.Tens
     """Alloc-T counts [T] as batched decoding makes them: each step (column) of the [B, S] pass is a
     pass of its own, pooling its B tokens (pool "batch") or each token alone (pool "sequence")."""
     num_tokens = cand_probs.size(0)
-    _, num_steps = token_steps(num_tokens, batch_size)
+    num_steps = step_count(num_tokens, batch_size)
     if num_steps == 1 or num_tokens % num_steps:
         return policy.counts(cand_probs, valid, batch_size)
     order = torch.arange(num_tokens, device=valid.device).view(-1, num_steps).t().reshape(-1)   # [T] step-major
@@ -153,22 +162,23 @@ def _per_step_counts(policy: AllocT, cand_probs: torch.Tensor, valid: torch.Tens
     return counts
 
 
-Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]
+Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
 
 
 def _select(policy: Policy, cand_idx: torch.Tensor, cand_probs: torch.Tensor, probs: torch.Tensor,
             valid: torch.Tensor, batch_size: int, width: int, decode_steps: bool = False) -> Selection:
-    """One policy over a pass: (index [T, W], keep [T, W], counts [T], top1_outside [T] or None).
-    Prefix policies keep the first counts[t] of cand_idx[:, :width]; distinct returns its own
-    index and keep (width K) and which tokens' top-1 fell outside the step's chosen set."""
+    """One policy over a pass: (index [T, W], keep [T, W], counts [T], top1_outside [T] or None,
+    distinct experts per step [S] or None). Prefix policies keep the first counts[t] of
+    cand_idx[:, :width]; distinct returns its own index and keep (width K), which tokens' top-1
+    fell outside the step's chosen set, and the experts each step loads."""
     if isinstance(policy, DistinctExperts):
-        index, keep, outside = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
-        return index, keep, keep.sum(-1), outside
+        index, keep, outside, distinct = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
+        return index, keep, keep.sum(-1), outside, distinct
     if decode_steps and isinstance(policy, AllocT):
         counts = _per_step_counts(policy, cand_probs, valid, batch_size)
     else:
         counts = policy.counts(cand_probs, valid, batch_size)                          # [T]
-    return cand_idx[:, :width], prefix_mask(counts, width), counts, None
+    return cand_idx[:, :width], prefix_mask(counts, width), counts, None, None
 
 
 def _mixed_selection(policies: list[Policy], groups: dict[int, list[int]], cand_idx: torch.Tensor,
@@ -185,7 +195,7 @@ def _mixed_selection(policies: list[Policy], groups: dict[int, list[int]], cand_
     per_row = num_tokens // batch_size                                              # S
     for plan_index, rows in groups.items():
         tokens = _row_tokens(rows, per_row, valid.device)                              # [b*S]
-        index[tokens], keep[tokens], counts[tokens], out = _select(
+        index[tokens], keep[tokens], counts[tokens], out, _ = _select(
             policies[plan_index], cand_idx[tokens], cand_probs[tokens], probs[tokens], valid[tokens], len(rows), k_orig,
             decode_steps)
         if out is not None:
@@ -243,10 +253,11 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
         if policy is not None:
             # no host sync on counts: the width comes from the policy, not from the counts
             width = policy.k if isinstance(policy, StaticTopK) else k_orig
-            index, keep, counts, outside = _select(policy, cand_idx, cand_probs, scores.probs, valid,
-                                                   ctx.batch_size, width, ctx.decode_steps)   # [T, W]
+            index, keep, counts, outside, distinct = _select(policy, cand_idx, cand_probs, scores.probs, valid,
+                                                             ctx.batch_size, width, ctx.decode_steps)   # [T, W]
             routed = valid if outside is not None else None
         else:
+            distinct = None                                                   # steps shared by several plans
             index, keep, counts, outside, routed = _mixed_selection(policies, groups, cand_idx, cand_probs,
                                                                     scores.probs, valid, ctx.batch_size,
                                                                     ctx.decode_steps)
@@ -266,7 +277,9 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
         stats.add(counts, valid)
         if outside is not None:
             stats.add_top1(outside, routed)
-        if ctx.count_steps or outside is not None:
+        if distinct is not None:                                              # counted while choosing
+            stats.add_step_counts(distinct)
+        elif ctx.count_steps or outside is not None:
             stats.add_steps(index, valid, ctx.batch_size, num_experts)
         if ctx.track_rows:
             ctx.add_row_activations(counts, valid)
