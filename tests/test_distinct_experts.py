@@ -159,6 +159,36 @@ def test_on_every_family_no_step_exceeds_m_and_m_at_e_is_the_unmodified_model(fa
             assert (index < fp["num_experts"]).sum(-1)[valid].min() >= 1
 
 
+@pytest.mark.parametrize("fold_passes", [1, 2, 10_000])
+@torch.no_grad()
+def test_the_handle_counts_many_passes_the_same_whenever_it_sums_them(fold_passes, monkeypatch):
+    """The distinct policy's passes are summed when read or every FOLD_PASSES passes: over a batched
+    generation (one prefill, then decode steps of 3 sequences) the handle's counts equal a count of
+    what the recorders saw, whenever the sums are taken."""
+    from allocmoe.routing.apply import LayerStats
+
+    monkeypatch.setattr(LayerStats, "FOLD_PASSES", fold_passes)
+    model = build_tiny("qwen3_moe")
+    fp = model_fingerprint(model)
+    ids = torch.randint(1, 96, (3, 5), generator=torch.Generator().manual_seed(9))
+    seen = []
+    with apply_plan(model, distinct_plan(model, 3)) as handle:
+        handle.context.recorders.append(distinct_recorder(fp["num_experts"], seen))
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                       pad_token_id=0)
+        per_layer, activations = handle.layer_distinct_experts(), handle.layer_activations()
+        outside = handle.top1_outside_rate()
+    for layer in fp["moe_layers"]:
+        passes = [(index, valid) for at, index, valid in seen if at == layer]
+        counted = [distinct_per_step(index, valid, 3, fp["num_experts"]) for index, valid in passes]
+        steps = torch.cat([d[r] for d, r in counted])
+        assert per_layer[layer] == {"mean": pytest.approx(steps.float().mean().item()), "max": int(steps.max()),
+                                    "steps": steps.numel()}
+        kept = sum(int((index < fp["num_experts"])[valid].sum()) for index, valid in passes)
+        assert activations[layer] == pytest.approx(kept / sum(int(valid.sum()) for _, valid in passes))
+        assert 0.0 <= outside[layer] <= 1.0
+
+
 @torch.no_grad()
 def test_step_counters_for_other_policies_are_opt_in_and_reset(ids):
     model = build_tiny("olmoe")

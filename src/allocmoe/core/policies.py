@@ -168,7 +168,7 @@ class DistinctExperts:
         """-> (index [T, K] expert ids, keep [T, K], top1_outside [T], distinct [S]): each token's
         candidates with slot 0 replaced by its fallback expert where none was chosen; top1_outside
         marks the real tokens whose own top-1 was not chosen; distinct counts the experts each step
-        loads. No device-to-host sync."""
+        loads. Off the CPU, no device-to-host sync."""
         num_tokens, k_orig = cand_idx.shape
         num_experts = probs.size(-1)
         device = cand_idx.device
@@ -182,24 +182,33 @@ class DistinctExperts:
         score = torch.zeros(num_steps * num_experts, dtype=torch.float32, device=device)
         score = score.scatter_add_(0, slot.reshape(-1), (cand_probs.float() * valid[:, None]).reshape(-1))
         score = score.view(num_steps, num_experts)                                          # [S, E] summed score
-        floors = torch.arange(1, self.k_floor + 1, device=device)                           # [F]
-        union = (best_rank[:, :, None] < floors).sum(1)                                     # [S, F] union of top-f
-        floor = (union <= self.max_experts).sum(-1)                                         # [S] f (unions nest)
-        first = best_rank < floor.clamp(min=1)[:, None]                                     # [S, E] chosen first
+        first = best_rank < self._floor(best_rank)                                          # [S, E] chosen first
         held = best_rank < k_orig                                                           # [S, E] someone's candidate
         by_score = score.argsort(dim=-1, descending=True, stable=True)                      # ties: lower index
         tier = (first.long() * 2 + held.long()).gather(-1, by_score)
         order = by_score.gather(-1, tier.argsort(dim=-1, descending=True, stable=True))     # [S, E] best first
-        chosen = torch.zeros_like(held).scatter_(-1, order[:, :self.max_experts], True) & held  # [S, E]
+        chosen = torch.zeros_like(held).scatter_(-1, order[:, :self.max_experts], True) & held   # [S, E]
         keep = chosen.view(-1)[slot] & valid[:, None]                                       # [T, K]
         outside = valid & ~keep[:, 0]                                                       # [T]
         stranded = valid & ~keep.any(-1)                                                    # [T] nothing chosen
-        in_set = chosen.index_select(0, step)                                               # [T, E]
-        fallback = probs.float().masked_fill(~in_set, float("-inf")).argmax(-1)             # [T]
-        index = cand_idx.clone()
-        index[:, 0] = torch.where(stranded, fallback, cand_idx[:, 0])
-        keep[:, 0] |= stranded
+        index = cand_idx
+        if device.type != "cpu" or bool(stranded.any()):    # a host check costs nothing on CPU, a sync elsewhere
+            in_set = chosen.index_select(0, step)                                           # [T, E]
+            fallback = probs.float().masked_fill(~in_set, float("-inf")).argmax(-1)         # [T]
+            index = cand_idx.clone()
+            index[:, 0] = torch.where(stranded, fallback, cand_idx[:, 0])
+            keep[:, 0] |= stranded
         return index, keep, outside, chosen.sum(-1)
+
+    def _floor(self, best_rank: torch.Tensor) -> torch.Tensor | int:
+        """max(f, 1), f the largest floor <= k_floor whose union fits in M: [S, 1], or 1 when k_floor
+        is 1 (whether the top-1s fit or not, they go first). best_rank [S, E]: each expert's best
+        rank among the step's real tokens (K where none holds it)."""
+        if self.k_floor == 1:
+            return 1
+        floors = torch.arange(1, self.k_floor + 1, device=best_rank.device)                 # [F]
+        union = (best_rank[:, :, None] < floors).sum(1)                                     # [S, F] union of top-f
+        return (union <= self.max_experts).sum(-1, keepdim=True).clamp(min=1)               # [S, 1] (unions nest)
 
 
 Policy = StaticTopK | AllocT | TopP | NaeeSkip | DistinctExperts
