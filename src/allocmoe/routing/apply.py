@@ -42,7 +42,6 @@ from ..core.plan import Plan
 from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distinct_per_step,
                              expected_alloc_t_activations, prefix_mask, step_count)
 
-
 # Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
 # routed pass: each token's ranked candidates, their probabilities, and how many it keeps; the
 # kept ones are the first counts[t]. For the distinct policy, which need not keep a prefix of the
