@@ -153,8 +153,8 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     else:
         run = cell_run(model, tokenizer, windows, config, fingerprint, todo)
     bar = CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
-                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
-                   disable=not config.progress, work_total=run.planned_passes())
+                  bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
+                  disable=not config.progress, work_total=run.planned_passes())
     arrivals = run.cells(bar)
     try:
         for cfg, ppl in arrivals:
@@ -223,7 +223,7 @@ def _folder_run(spec, tokenizer, windows: torch.Tensor, config: ProfileConfig, f
         for name in onloaded.pieces:
             onloaded.load(name)
         return onloaded.model, onloaded, cell_run(onloaded.model, tokenizer, windows, config, fingerprint, todo,
-                                                     facts=whole_model_facts(onloaded, plan))
+                                                  facts=whole_model_facts(onloaded, plan))
     plan.check()
     return onloaded.model, onloaded, WalkRun(onloaded, windows, config, fingerprint, todo, plan)
 
