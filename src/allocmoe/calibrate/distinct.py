@@ -284,7 +284,8 @@ def _cell_run(model, windows: torch.Tensor, routed: torch.Tensor, config: Distin
 def _with_unrestricted(facts: dict[str, Any], tokens: int) -> dict[str, Any]:
     """The run's work with the unrestricted pass (one full pass, in both counts) added."""
     full = tokens * facts["decoder_layers"]
-    return {**facts, "layer_passes": facts["layer_passes"] + full, "naive_layer_passes": facts["naive_layer_passes"] + full}
+    return {**facts, "layer_passes": facts["layer_passes"] + full,
+            "naive_layer_passes": facts["naive_layer_passes"] + full}
 
 
 def check_distinct_profile(profile: Any, fingerprint: dict[str, Any] | None = None) -> dict[str, Any]:
