@@ -146,12 +146,74 @@ def min_expert_load(model, ids: torch.Tensor, seq_len: int) -> float:
 
 def top1_over_full(model, ids: torch.Tensor, seq_len: int) -> float:
     """How much uniform top-1 costs on validation text: its perplexity over the full model's."""
-    from allocmoe import apply_plan, static_plan
+    from allocmoe import apply_plan, model_fingerprint, static_plan
 
-    moe_layers = MODEL_SHAPE["num_hidden_layers"] - MODEL_SHAPE["first_k_dense_replace"]
-    with apply_plan(model, static_plan(model, [1] * moe_layers)):
+    with apply_plan(model, static_plan(model, [1] * model_fingerprint(model)["num_moe_layers"])):
         top1 = evaluate(model, ids, seq_len)
     return top1 / evaluate(model, ids, seq_len)
+
+
+def save_state(path: Path, state: dict) -> None:
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    atomic_write_bytes(path, buffer.getvalue())
+
+
+def train_step(model, batch: torch.Tensor, opt, sched, aux_coef: float) -> tuple[float, float]:
+    """One optimiser step on the LM loss plus aux_coef x the load-balancing loss; -> (LM loss, aux)."""
+    out = model(input_ids=batch, labels=batch)
+    aux = load_balancing_loss(out.router_logits, model.config.num_experts_per_tok)
+    opt.zero_grad(set_to_none=True)
+    (out.loss + aux_coef * aux).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    opt.step()
+    sched.step()
+    return out.loss.item(), aux.item()
+
+
+def pretrain(model, train_ids: torch.Tensor, val_ids: torch.Tensor, args, ckpt: Path, gen: torch.Generator,
+             desc: str) -> tuple[int, list[dict]]:
+    """Stage 1: AdamW at args.lr, warm-up then cosine over args.steps (fixed by the step count, not
+    the clock), the load-balancing loss at args.aux_loss, a validation point every args.eval_every
+    steps, each saved with the optimiser, schedule and sampler to `ckpt`, from which a rerun resumes.
+    Stops after args.max_minutes. -> (steps done, curve); fewer than args.steps: not finished."""
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
+    warmup = max(1, args.steps // 50)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    step, curve = 0, []
+    if ckpt.exists():
+        state = torch.load(ckpt, weights_only=True)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["opt"])
+        sched.load_state_dict(state["sched"])
+        gen.set_state(state["gen"])
+        step, curve = state["step"], state["curve"]
+        print(f"resumed at step {step}")
+
+    def save_checkpoint():
+        save_state(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
+                          "gen": gen.get_state(), "step": step, "curve": curve})
+
+    stream = batches(train_ids, args.seq_len, args.batch_size, gen)
+    deadline = time.time() + args.max_minutes * 60
+    bar = tqdm(total=args.steps, initial=step, desc=desc)
+    model.train()
+    while step < args.steps and time.time() < deadline:
+        lm_loss, aux = train_step(model, next(stream), opt, sched, args.aux_loss)
+        step += 1
+        bar.update(1)
+        bar.set_postfix(loss=f"{lm_loss:.3f}", aux=f"{aux:.3f}")
+        if step % args.eval_every == 0 or step == args.steps:
+            curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len,
+                          "val_perplexity": evaluate(model, val_ids, args.seq_len)})
+            bar.write(json.dumps(curve[-1]))
+            save_checkpoint()
+    bar.close()
+    save_checkpoint()
+    if step < args.steps:
+        print(f"stopped at step {step} of {args.steps}: rerun the same command to resume")
+    return step, curve
 
 
 def main() -> None:
@@ -204,21 +266,6 @@ def main() -> None:
     ckpt = args.work_dir / "checkpoint.pt"
     after_rounds = args.work_dir / "stage2.pt"   # the model after stage 2: a rerun resumes from there
 
-    def save(path: Path, state: dict):
-        buffer = io.BytesIO()
-        torch.save(state, buffer)
-        atomic_write_bytes(path, buffer.getvalue())
-
-    def train_step(batch, opt, sched, aux_coef: float) -> tuple[float, float]:
-        out = model(input_ids=batch, labels=batch)
-        aux = load_balancing_loss(out.router_logits, config.num_experts_per_tok)
-        opt.zero_grad(set_to_none=True)
-        (out.loss + aux_coef * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        return out.loss.item(), aux.item()
-
     def point(stage: int, **extra) -> dict:
         curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len, "stage": stage,
                       "val_perplexity": evaluate(model, val_ids, args.seq_len), **extra})
@@ -235,7 +282,7 @@ def main() -> None:
         print(json.dumps(point(stage, **load())), flush=True)
         model.train()
         for s in tqdm(range(1, steps + 1), desc=desc):
-            train_step(next(stream), opt, sched, aux_coef)
+            train_step(model, next(stream), opt, sched, aux_coef)
             step += 1
             if s % eval_every == 0 or s == steps:      # counted within the stage, so its end is a point
                 print(json.dumps(point(stage, **load())), flush=True)
@@ -251,42 +298,10 @@ def main() -> None:
         step, curve = state["step"], state["curve"]
         print(f"stages 1 and 2 already done ({after_rounds}); resuming after them at step {step}")
     else:
-        opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-        warmup = max(1, args.steps // 50)
-        sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
-        if ckpt.exists():
-            state = torch.load(ckpt, weights_only=True)
-            model.load_state_dict(state["model"])
-            opt.load_state_dict(state["opt"])
-            sched.load_state_dict(state["sched"])
-            gen.set_state(state["gen"])
-            step, curve = state["step"], state["curve"]
-            print(f"resumed at step {step}")
-
-        def save_checkpoint():
-            save(ckpt, {"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                        "gen": gen.get_state(), "step": step, "curve": curve})
-
-        stream = batches(train_ids, args.seq_len, args.batch_size, gen)
-        deadline = time.time() + args.max_minutes * 60
-        bar = tqdm(total=args.steps, initial=step, desc="train")
-        model.train()
-        while step < args.steps and time.time() < deadline:
-            lm_loss, aux = train_step(next(stream), opt, sched, args.aux_loss)
-            step += 1
-            bar.update(1)
-            bar.set_postfix(loss=f"{lm_loss:.3f}", aux=f"{aux:.3f}")
-            if step % args.eval_every == 0 or step == args.steps:
-                curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len,
-                              "val_perplexity": evaluate(model, val_ids, args.seq_len)})
-                bar.write(json.dumps(curve[-1]))
-                save_checkpoint()
-        bar.close()
-        save_checkpoint()
+        step, curve = pretrain(model, train_ids, val_ids, args, ckpt, gen, "train")
         if step < args.steps:
-            print(f"stopped at step {step} of {args.steps}: rerun the same command to resume")
             return
+        stream = batches(train_ids, args.seq_len, args.batch_size, gen)
         if args.rescale_routed:
             # Stage 2. A short training leaves the routed experts doing little beside the always-on
             # shared experts (switching all routed experts off cost only 1.4x perplexity), so budget
@@ -303,7 +318,7 @@ def main() -> None:
                             param.mul_(args.rescale_shared)
                 finetune(2 + round_, args.finetune_steps, args.aux_loss, stream, f"stage 2, round {round_ + 1}",
                          args.eval_every)
-            save(after_rounds, {"model": model.state_dict(), "step": step, "curve": curve})
+            save_state(after_rounds, {"model": model.state_dict(), "step": step, "curve": curve})
 
     if args.balance_steps:
         # Last stage. The rounds' final rescale starves some experts (layer 1's least-loaded expert

@@ -1,7 +1,8 @@
 """Train the two extra model families the quality comparison runs on: Qwen3-MoE style and OLMoE style.
 
-Not run by CI or tests; it rebuilds what ships in examples/models/. Same corpus, tokenizer and
-load-balancing loss as the built-in model (scripts/train_builtin.py), a smaller shape, no stage 2:
+Not run by CI or tests; it rebuilds what ships in examples/models/. Same corpus, tokenizer,
+load-balancing loss and first-stage loop as the built-in model (scripts/train_builtin.py's
+`pretrain`), a smaller shape, no stage 2:
 these families have no shared experts, so the routed experts carry the work from the start and a
 budget cut costs quality without any reshaping. Seeded and resumable (`--max-minutes`; rerun to go on).
 
@@ -14,17 +15,13 @@ Saved in fp16 (a few MB each): the comparison loads them in float32, as it does 
 from __future__ import annotations
 
 import argparse
-import io
 import json
-import math
 import random
-import time
+from pathlib import Path
 
 import torch
-from tqdm import tqdm
 
-from allocmoe.core.files import atomic_write_bytes
-from train_builtin import ROOT, batches, evaluate, load_balancing_loss, min_expert_load, read_split
+from train_builtin import ROOT, min_expert_load, pretrain, read_split, top1_over_full
 
 BUILTIN = ROOT / "src" / "allocmoe" / "builtin" / "model"
 OUT = ROOT / "examples" / "models"
@@ -54,15 +51,6 @@ def build(family: str):
     return cls(config)
 
 
-@torch.no_grad()
-def top1_over_full(model, ids: torch.Tensor, seq_len: int) -> float:
-    from allocmoe import apply_plan, static_plan
-
-    with apply_plan(model, static_plan(model, [1] * SHAPE["num_hidden_layers"])):
-        top1 = evaluate(model, ids, seq_len)
-    return top1 / evaluate(model, ids, seq_len)
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
@@ -75,6 +63,8 @@ def main() -> None:
     parser.add_argument("--eval-every", type=int, default=100)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    parser.add_argument("--work-dir", type=Path, default=None, help="checkpoints (default: runs/<family>)")
+    parser.add_argument("--out", type=Path, default=None, help="the finished model (default: examples/models/<family>)")
     args = parser.parse_args()
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -83,7 +73,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    work = ROOT / "runs" / args.family
+    work = args.work_dir or ROOT / "runs" / args.family
     work.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(BUILTIN)
     ids_path = work / "train_ids.pt"
@@ -94,60 +84,15 @@ def main() -> None:
     train_ids, val_ids = ids[:-val_tokens], ids[-val_tokens:]
 
     model = build(args.family)
-    k = model.config.num_experts_per_tok
-    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=0.1)
-    warmup = max(1, args.steps // 50)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
     gen = torch.Generator().manual_seed(args.seed)
-    step, curve = 0, []
-    ckpt = work / "checkpoint.pt"
-    if ckpt.exists():
-        state = torch.load(ckpt, weights_only=True)
-        model.load_state_dict(state["model"])
-        opt.load_state_dict(state["opt"])
-        sched.load_state_dict(state["sched"])
-        gen.set_state(state["gen"])
-        step, curve = state["step"], state["curve"]
-        print(f"resumed at step {step}")
-
-    def save_checkpoint():
-        buffer = io.BytesIO()
-        torch.save({"model": model.state_dict(), "opt": opt.state_dict(), "sched": sched.state_dict(),
-                    "gen": gen.get_state(), "step": step, "curve": curve}, buffer)
-        atomic_write_bytes(ckpt, buffer.getvalue())
-
-    stream = batches(train_ids, args.seq_len, args.batch_size, gen)
-    deadline = time.time() + args.max_minutes * 60
-    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.family}")
-    model.train()
-    while step < args.steps and time.time() < deadline:
-        batch = next(stream)
-        out = model(input_ids=batch, labels=batch)
-        aux = load_balancing_loss(out.router_logits, k)
-        opt.zero_grad(set_to_none=True)
-        (out.loss + args.aux_loss * aux).backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        opt.step()
-        sched.step()
-        step += 1
-        bar.update(1)
-        bar.set_postfix(loss=f"{out.loss.item():.3f}", aux=f"{aux.item():.3f}")
-        if step % args.eval_every == 0 or step == args.steps:
-            curve.append({"step": step, "tokens": step * args.batch_size * args.seq_len,
-                          "val_perplexity": evaluate(model, val_ids, args.seq_len)})
-            bar.write(json.dumps(curve[-1]))
-            save_checkpoint()
-    bar.close()
-    save_checkpoint()
+    step, curve = pretrain(model, train_ids, val_ids, args, work / "checkpoint.pt", gen, f"train {args.family}")
     if step < args.steps:
-        print(f"stopped at step {step} of {args.steps}: rerun the same command to resume")
         return
     curve[-1]["val_top1_over_full"] = top1_over_full(model, val_ids, args.seq_len)
     curve[-1]["val_min_expert_load"] = min_expert_load(model, val_ids, args.seq_len)
     print(json.dumps(curve[-1]))
 
-    out_dir = OUT / args.family
+    out_dir = args.out or OUT / args.family
     out_dir.mkdir(parents=True, exist_ok=True)
     model.config.output_router_logits = False
     model.half().save_pretrained(out_dir, safe_serialization=True)
