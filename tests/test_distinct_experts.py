@@ -190,6 +190,20 @@ def test_the_handle_counts_many_passes_the_same_whenever_it_sums_them(fold_passe
 
 
 @torch.no_grad()
+def test_counts_kept_for_later_do_not_change_when_the_callers_mask_does():
+    """The handle sums the distinct policy's passes when read; a bool attention mask the caller
+    reuses and overwrites after the pass must not change what was counted."""
+    model = build_tiny("qwen3_moe")
+    ids = torch.randint(1, 96, (4, 6), generator=torch.Generator().manual_seed(2))
+    mask = torch.ones(4, 6, dtype=torch.bool)
+    mask[0, :2] = False
+    with apply_plan(model, distinct_plan(model, 2)) as handle:
+        model(input_ids=ids, attention_mask=mask)
+        mask.zero_()                                                      # the caller's next use
+        assert handle.tokens_seen() == 22
+
+
+@torch.no_grad()
 def test_step_counters_for_other_policies_are_opt_in_and_reset(ids):
     model = build_tiny("olmoe")
     with apply_plan(model, Plan(model=model_fingerprint(model), layers={i: StaticTopK(2) for i in range(3)},

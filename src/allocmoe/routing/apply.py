@@ -88,7 +88,8 @@ class RoutingContext:
         if mask is not None and mask.dim() == 2 and num_tokens % mask.size(0) == 0:
             step_len = num_tokens // mask.size(0)
             if step_len <= mask.size(1):
-                return mask[:, -step_len:].reshape(-1).to(device=device, dtype=torch.bool)   # [T]
+                # a copy even of a bool mask: the distinct policy keeps it until its counts are read
+                return mask[:, -step_len:].reshape(-1).to(device=device, dtype=torch.bool, copy=True)   # [T]
         return torch.ones(num_tokens, dtype=torch.bool, device=device)
 
 
