@@ -48,3 +48,18 @@ def test_packing_tiny_experts_is_refused_and_bench_says_so(tiny_folder, capsys):
         main(["bench", "--model", str(tiny_folder), "--budget", "0.5", "--method", "uniform", "--packed-experts",
               "--dtype", "bfloat16", "--quiet"])
     assert exit_.value.code == 2 and "--packed-experts serves the CPU kernel in float32" in capsys.readouterr().err
+
+
+def test_packing_that_would_not_fit_in_memory_is_refused_before_any_copy(monkeypatch):
+    import allocmoe.core.memory
+
+    monkeypatch.setattr(experts_module, "WEIGHTS_FIRST_MIN_ELEMENTS", 0)
+    model = build_tiny("deepseek_v2")
+    need = sum(p.numel() * 4 for name, p in model.named_parameters() if ".experts." in name)
+    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: need)    # 80% of it is too little
+    with pytest.raises(AllocMoeError, match="packing the experts needs .* for a second copy of the routed experts"):
+        pack_experts(model)
+    assert not any(hasattr(m, PACKED_ATTR) for m in model.modules())
+    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: 2 * need)
+    with pack_experts(model) as handle:
+        assert handle.bytes == need

@@ -177,10 +177,10 @@ def test_the_cli_writes_the_rank_it_was_given(tiny_folder, tmp_path):
 
 
 def test_a_fit_whose_moments_would_not_fit_in_memory_is_refused_before_any_pass(monkeypatch):
-    import allocmoe.measure.bench
+    import allocmoe.core.memory
 
     model = build_tiny("olmoe")
-    monkeypatch.setattr(allocmoe.measure.bench, "free_memory_bytes", lambda device: 100 << 10)   # 100 KiB free
+    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: 100 << 10)   # 100 KiB free
     passes = []
     model.register_forward_pre_hook(lambda module, args: passes.append(1))
     windows = torch.randint(0, COMMON["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7))
@@ -191,9 +191,9 @@ def test_a_fit_whose_moments_would_not_fit_in_memory_is_refused_before_any_pass(
 
 
 def test_the_cli_refuses_a_fit_that_would_not_fit_before_loading(tiny_folder, tmp_path, capsys, monkeypatch):
-    import allocmoe.measure.bench
+    import allocmoe.core.memory
 
-    monkeypatch.setattr(allocmoe.measure.bench, "free_memory_bytes", lambda device: 100 << 10)
+    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: 100 << 10)
     with pytest.raises(SystemExit) as exit_:
         main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
               "--output", str(tmp_path / "p.json")])

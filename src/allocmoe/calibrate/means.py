@@ -82,7 +82,7 @@ def check_fit_memory(num_experts: int, hidden: int, rank: int) -> int:
     would not fit in the host's free memory. Cheap: the CLI calls it before any weights load."""
     per_layer = 2 * num_experts * hidden * hidden * 8 if rank else 0
     if per_layer:
-        from ..measure.bench import check_free_memory
+        from ..core.memory import check_free_memory
 
         check_free_memory(per_layer, torch.device("cpu"), f"the substitute's rank-{rank} fit",
                           "give --substitute-rank 0 (the means alone) or free memory",

@@ -45,7 +45,7 @@ from typing import Any, Callable
 
 import torch
 
-from ..routing.apply import apply_plan, static_plan
+from ..routing.apply import static_plan
 from ..core.config import check_counts, checked_config
 from ..errors import AllocMoeError
 from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows

@@ -210,21 +210,13 @@ class _Shape:
 
 
 def _packed(model, wanted: bool):
-    """`bench --packed-experts`: the experts' weights packed for oneDNN beside the model's own, refused
-    (before packing) when the second copy would not fit in free memory."""
+    """`bench --packed-experts`: the experts' weights packed for oneDNN beside the model's own
+    (pack_experts refuses, before packing, a second copy that would not fit in free memory)."""
     import contextlib
 
-    from ..measure.bench import check_free_memory
-    from ..routing.adapters import adapter_for_model
     from ..routing.experts import pack_experts
 
-    if not wanted:
-        return contextlib.nullcontext()
-    experts = sum(p.numel() * p.element_size() for layer in adapter_for_model(model).moe_layers(model)
-                  for p in layer.experts.parameters())
-    check_free_memory(experts, next(model.parameters()).device, "--packed-experts",
-                      "drop it or bench fewer layers (--num-layers)", detail=" for a second copy of the routed experts")
-    return pack_experts(model)
+    return pack_experts(model) if wanted else contextlib.nullcontext()
 
 
 def cmd_bench(args) -> None:
@@ -233,8 +225,9 @@ def cmd_bench(args) -> None:
     from ..calibrate.methods import METHODS, allocate
     from ..core.budget import Budget
     from ..core.plan import Plan
-    from ..measure.bench import (BenchConfig, benchmark, check_free_memory, check_memory, distinct_plan_for,
-                                 format_table, is_distinct_plan, parse_max_distinct)
+    from ..core.memory import check_free_memory
+    from ..measure.bench import (BenchConfig, benchmark, check_memory, distinct_plan_for, format_table,
+                                 is_distinct_plan, parse_max_distinct)
     from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
     from ..models import ModelSpec, check_device
 

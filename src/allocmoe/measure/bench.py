@@ -43,6 +43,7 @@ import torch
 from tqdm import tqdm
 
 from ..core.budget import read_fraction_or_count, round_half_up
+from ..core.memory import check_free_memory
 from ..core.plan import Plan
 from ..core.policies import DistinctExperts
 from ..errors import AllocMoeError
@@ -73,23 +74,6 @@ def _cache_of(out):
     """The KV cache of a model output (transformers 5 names it `cache`, 4.x `past_key_values`;
     5.x still answers to the old name, with a deprecation warning)."""
     return out["cache"] if "cache" in out else out.past_key_values
-
-
-def free_memory_bytes(device: torch.device) -> int:
-    """Memory still free on `device`: the CUDA allocator's view, or the host's available pages."""
-    if device.type == "cuda":
-        return torch.cuda.mem_get_info(device)[0]
-    import os
-
-    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-
-
-def check_free_memory(need: int, device: torch.device, what: str, fix: str, detail: str = "") -> None:
-    """Refuse, before allocating, `need` bytes that would take more than 80% of `device`'s free memory:
-    "<what> needs N GiB<detail>, F GiB is free; <fix>"."""
-    free = free_memory_bytes(device)
-    if need > 0.8 * free:
-        raise AllocMoeError(f"{what} needs {need / 2**30:.1f} GiB{detail}, {free / 2**30:.1f} GiB is free; {fix}")
 
 
 class Generation:
@@ -167,11 +151,8 @@ def check_memory(model, config: BenchConfig, caches: int = 3) -> None:
     per_token_kv = 2 * c.num_hidden_layers * c.hidden_size * elem * 2       # generous: K and V, MLA expanded
     peak_acts = config.batch_size * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
     need = caches * tokens * per_token_kv + peak_acts
-    free = free_memory_bytes(param.device)
-    if need > free * 0.9:
-        raise AllocMoeError(f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens needs about "
-                            f"{need / 2**30:.1f} GiB for cache and activations but {free / 2**30:.1f} GiB is free; "
-                            "lower --batch-size or --input-len")
+    check_free_memory(need, param.device, f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens",
+                      "lower --batch-size or --input-len", detail=" (an estimate) for cache and activations", share=0.9)
 
 
 # -- distinct experts per decode step -----------------------------------------------------------------

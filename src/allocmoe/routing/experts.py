@@ -198,8 +198,10 @@ class PackedExperts:
 @torch.no_grad()
 def pack_experts(model: nn.Module) -> PackedExperts:
     """Pack each routed expert's projections for oneDNN, for every experts module the CPU kernel runs
-    weights-first (CPU, fp32, projections of 1M weights or more). Refused where none qualifies."""
+    weights-first (CPU, fp32, projections of 1M weights or more). Refused where none qualifies, and,
+    before anything is packed, when the second copy would not fit in free memory."""
     from .adapters import adapter_for_model
+    from ..core.memory import check_free_memory
     from ..errors import AllocMoeError
 
     if not torch.backends.mkldnn.is_available():
@@ -210,18 +212,22 @@ def pack_experts(model: nn.Module) -> PackedExperts:
         experts = layer.experts
         probe = torch.empty(1, model.config.hidden_size, dtype=next(experts.parameters()).dtype,
                             device=next(experts.parameters()).device)
-        if not _prefers_weights_first(experts, probe):
-            continue
+        if _prefers_weights_first(experts, probe):
+            modules.append(experts)
+    if not modules:
+        raise AllocMoeError("no experts to pack: packing serves the CPU kernel's fp32 experts of real size "
+                            "(projections of 1M weights or more); run without packing")
+    check_free_memory(sum(p.numel() * p.element_size() for m in modules for p in m.parameters()),
+                      torch.device("cpu"), "packing the experts",
+                      "run without packing (bench: drop --packed-experts), or on fewer layers",
+                      detail=" for a second copy of the routed experts")
+    for experts in modules:
         up = experts.gate_up_proj if experts.has_gate else experts.up_proj
         packed = {}
         for name, weight in (("up", up), ("down", experts.down_proj)):
             mats = weight.transpose(1, 2) if experts.is_transposed else weight        # [E, O, in]
             packed[name] = [torch.ops.mkldnn._reorder_linear_weight(m.contiguous(), 16) for m in mats]
         setattr(experts, PACKED_ATTR, packed)
-        modules.append(experts)
-    if not modules:
-        raise AllocMoeError("no experts to pack: packing serves the CPU kernel's fp32 experts of real size "
-                            "(projections of 1M weights or more); run without packing")
     return PackedExperts(modules)
 
 
