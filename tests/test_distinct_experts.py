@@ -34,7 +34,8 @@ def reference(probs, valid, batch_size, k_orig, max_experts, k_floor):
         score = {}
         for t in tokens:
             for r in range(k_orig):
-                score[cand[t][r]] = score.get(cand[t][r], 0.0) + float(probs[t, cand[t][r]])
+                e = cand[t][r]          # summed in float32, in token order, as a router sums them
+                score[e] = float(torch.tensor(score.get(e, 0.0), dtype=torch.float32) + probs[t, e].float())
         floor = 0
         for f in range(1, k_floor + 1):
             if len({cand[t][r] for t in tokens for r in range(f)}) <= max_experts:
@@ -69,6 +70,29 @@ def test_the_selection_follows_the_documented_rule_step_by_step(batch_size, step
     assert outside.tolist() == [o and bool(v) for o, v in zip(expected_outside, valid)]
     loaded = [set().union(*(expected[b * steps + s] for b in range(batch_size))) for s in range(steps)]
     assert distinct.tolist() == [len(experts) for experts in loaded]
+
+
+@pytest.mark.parametrize("kind", ["ties", "tiny", "underflow"])
+@pytest.mark.parametrize("k_floor", [1, 2])
+def test_ties_go_to_the_lower_expert_and_scores_order_across_magnitudes(kind, k_floor):
+    """The order is exact: equal summed scores go to the lower expert index, and scores many orders
+    of magnitude apart (down to probabilities that underflow to 0) still order as numbers do."""
+    batch_size, steps, k_orig = 8, 3, 6
+    if kind == "ties":       # multiples of 1/16: many equal sums, all exact in float32 and float64
+        probs = (table(batch_size * steps, seed=5) * 16).round().clamp(min=1) / 16
+    else:                    # a sharp router: the tail spans 1e-3 .. 1e-40, or reaches 0
+        probs = table(batch_size * steps, seed=6, spread=25.0 if kind == "tiny" else 60.0)
+    valid = torch.ones(batch_size * steps, dtype=torch.bool)
+    valid[3] = False
+    cand_probs, cand_idx = probs.topk(k_orig, dim=-1)
+    for max_experts in (1, 3, 5, 9):
+        policy = DistinctExperts(max_experts, k_floor)
+        index, keep, outside, distinct = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
+        expected, expected_outside = reference(probs, valid, batch_size, k_orig, max_experts, k_floor)
+        assert kept_sets(index.masked_fill(~keep, 16), 16) == expected
+        assert outside.tolist() == [o and bool(v) for o, v in zip(expected_outside, valid)]
+    if kind == "underflow":
+        assert (cand_probs == 0).any()        # the case is real: some candidates hold probability 0
 
 
 @pytest.mark.parametrize("seed", range(6))

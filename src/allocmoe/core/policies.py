@@ -23,6 +23,7 @@ The policies (names as stored in plan files):
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, fields
 from typing import Any, ClassVar
@@ -141,8 +142,8 @@ class DistinctExperts:
          top f. When even the tokens' top-1 experts are more than M distinct experts, f = 0: the
          top-1 experts still go first, and the M of them with the largest summed score are chosen.
       2. Fill. The rest of the M slots go to the other candidates by summed score: the sum, over
-         the step's tokens that hold the expert among their top-K, of its routing probability.
-         Ties go to the lower expert index. Experts no token holds are never chosen, so a step
+         the step's tokens that hold the expert among their top-K, of its routing probability
+         (float32, as the router computes it). Ties go to the lower expert index. Experts no token holds are never chosen, so a step
          chooses min(M, distinct candidates) experts.
       3. Keep. Every token keeps those of its top-K candidates that were chosen, and at least one:
          a token none of whose candidates was chosen (possible only when f = 0) keeps the chosen
@@ -168,47 +169,77 @@ class DistinctExperts:
         """-> (index [T, K] expert ids, keep [T, K], top1_outside [T], distinct [S]): each token's
         candidates with slot 0 replaced by its fallback expert where none was chosen; top1_outside
         marks the real tokens whose own top-1 was not chosen; distinct counts the experts each step
-        loads. Off the CPU, no device-to-host sync."""
+        loads. Off the CPU, no device-to-host sync. It runs in every MoE layer of every decode step,
+        where each small tensor operation costs several times its cost in a loop (the experts'
+        matmuls leave the caches cold), so it is written in few operations."""
         num_tokens, k_orig = cand_idx.shape
         num_experts = probs.size(-1)
         device = cand_idx.device
         num_steps = step_count(num_tokens, batch_size)
-        step = torch.arange(num_tokens, device=device) % num_steps                          # [T]
-        slot = step[:, None] * num_experts + cand_idx                                       # [T, K] into [S*E]
-        rank = torch.arange(k_orig, device=device).expand(num_tokens, k_orig)               # [T, K]
-        rank = torch.where(valid[:, None], rank, k_orig)                                    # padding holds nothing
-        best_rank = torch.full((num_steps * num_experts,), k_orig, dtype=torch.long, device=device)
-        best_rank = best_rank.scatter_reduce_(0, slot.reshape(-1), rank.reshape(-1), "amin").view(num_steps, -1)
+        slot = cand_idx                                                                     # [T, K] into [S*E]
+        if num_steps > 1:
+            slot = (torch.arange(num_tokens, device=device) % num_steps)[:, None] * num_experts + cand_idx
+        tier = self._tier(slot, valid, num_steps, num_experts)                              # [S, E] 2, 1 or 0
+        weight = (cand_probs if cand_probs.dtype == torch.float32 else cand_probs.float()) * valid[:, None]
         score = torch.zeros(num_steps * num_experts, dtype=torch.float32, device=device)
-        score = score.scatter_add_(0, slot.reshape(-1), (cand_probs.float() * valid[:, None]).reshape(-1))
-        score = score.view(num_steps, num_experts)                                          # [S, E] summed score
-        first = best_rank < self._floor(best_rank)                                          # [S, E] chosen first
-        held = best_rank < k_orig                                                           # [S, E] someone's candidate
-        by_score = score.argsort(dim=-1, descending=True, stable=True)                      # ties: lower index
-        tier = (first.long() * 2 + held.long()).gather(-1, by_score)
-        order = by_score.gather(-1, tier.argsort(dim=-1, descending=True, stable=True))     # [S, E] best first
-        chosen = torch.zeros_like(held).scatter_(-1, order[:, :self.max_experts], True) & held   # [S, E]
+        score = score.index_add_(0, slot.reshape(-1), weight.reshape(-1)).view(num_steps, num_experts)   # [S, E]
+        chosen = _top_by_key(tier, score, self.max_experts) & (tier > 0)                    # [S, E]
         keep = chosen.view(-1)[slot] & valid[:, None]                                       # [T, K]
         outside = valid & ~keep[:, 0]                                                       # [T]
-        stranded = valid & ~keep.any(-1)                                                    # [T] nothing chosen
         index = cand_idx
-        if device.type != "cpu" or bool(stranded.any()):    # a host check costs nothing on CPU, a sync elsewhere
-            in_set = chosen.index_select(0, step)                                           # [T, E]
-            fallback = probs.float().masked_fill(~in_set, float("-inf")).argmax(-1)         # [T]
+        # a token none of whose candidates was chosen has its top-1 outside; a host check costs
+        # nothing on CPU (and spares the fallback in nearly every step), a sync elsewhere
+        if device.type != "cpu" or bool(outside.any()):
+            stranded = outside & ~keep.any(-1)                                              # [T] nothing chosen
+            step = slot[:, 0] // num_experts                                                # [T]
+            fallback = probs.float().masked_fill(~chosen.index_select(0, step), float("-inf")).argmax(-1)   # [T]
             index = cand_idx.clone()
             index[:, 0] = torch.where(stranded, fallback, cand_idx[:, 0])
             keep[:, 0] |= stranded
         return index, keep, outside, chosen.sum(-1)
 
-    def _floor(self, best_rank: torch.Tensor) -> torch.Tensor | int:
-        """max(f, 1), f the largest floor <= k_floor whose union fits in M: [S, 1], or 1 when k_floor
-        is 1 (whether the top-1s fit or not, they go first). best_rank [S, E]: each expert's best
-        rank among the step's real tokens (K where none holds it)."""
-        if self.k_floor == 1:
-            return 1
-        floors = torch.arange(1, self.k_floor + 1, device=best_rank.device)                 # [F]
+    def _tier(self, slot: torch.Tensor, valid: torch.Tensor, num_steps: int, num_experts: int) -> torch.Tensor:
+        """[S, E]: 2 for the experts chosen first (the floor), 1 for the step's other candidates,
+        0 for experts no real token of the step holds. slot [T, K] (step * E + expert), valid [T]."""
+        k_orig = slot.size(1)
+        if self.k_floor == 1:                # the floor is every real token's top-1
+            per_slot = _first_and_rest(k_orig, slot.device) * valid[:, None]                # [T, K] 2, 1, .., 1
+            tier = torch.zeros(num_steps * num_experts, dtype=torch.long, device=slot.device)
+            return tier.scatter_reduce_(0, slot.reshape(-1), per_slot.reshape(-1), "amax").view(num_steps, -1)
+        rank = torch.arange(k_orig, device=slot.device).expand_as(slot)                    # [T, K]
+        rank = torch.where(valid[:, None], rank, k_orig)                                    # padding holds nothing
+        best_rank = torch.full((num_steps * num_experts,), k_orig, dtype=torch.long, device=slot.device)
+        best_rank = best_rank.scatter_reduce_(0, slot.reshape(-1), rank.reshape(-1), "amin").view(num_steps, -1)
+        floors = torch.arange(1, self.k_floor + 1, device=slot.device)                      # [F]
         union = (best_rank[:, :, None] < floors).sum(1)                                     # [S, F] union of top-f
-        return (union <= self.max_experts).sum(-1, keepdim=True).clamp(min=1)               # [S, 1] (unions nest)
+        floor = (union <= self.max_experts).sum(-1, keepdim=True).clamp(min=1)              # [S, 1] (unions nest)
+        # max(f, 1), f the largest floor <= k_floor whose union fits in M: when not even the top-1s
+        # fit, they still go first
+        return (best_rank < floor).long() + (best_rank < k_orig).long()
+
+
+@functools.lru_cache(maxsize=32)
+def _first_and_rest(k_orig: int, device: torch.device) -> torch.Tensor:
+    """[K] = (2, 1, ..., 1): a token's top-1 is in the floor, its other candidates are not (cached:
+    a constant built once per K and device instead of once per layer and step)."""
+    return torch.ones(k_orig, dtype=torch.long, device=device).index_fill_(0, torch.tensor([0], device=device), 2)
+
+
+@functools.lru_cache(maxsize=32)
+def _expert_ids(num_experts: int, device: torch.device) -> torch.Tensor:
+    return torch.arange(num_experts, device=device)                                         # [E] (cached, as above)
+
+
+def _top_by_key(tier: torch.Tensor, score: torch.Tensor, count: int) -> torch.Tensor:
+    """bool [S, E]: each step's `count` best experts, ordered by tier, then by summed score, then by
+    the lower expert index. One exact integer key per expert: a non-negative float32's bits order
+    as the float does, so key = ((tier << 31) + bits(score)) * E - expert orders (tier, score,
+    -expert) lexicographically and is unique within a step; the step's top `count` keys are then
+    those >= its count-th largest (one topk, no sort)."""
+    num_experts = score.size(-1)
+    key = ((tier << 31) + score.view(torch.int32).long()) * num_experts - _expert_ids(num_experts, score.device)
+    kth = key.topk(min(count, num_experts), dim=-1).values[:, -1:]                          # [S, 1]
+    return key >= kth
 
 
 Policy = StaticTopK | AllocT | TopP | NaeeSkip | DistinctExperts

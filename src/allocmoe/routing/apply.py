@@ -269,10 +269,14 @@ def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy]
             if ctx.track_rows:
                 ctx.add_row_activations(torch.full_like(valid, static_k, dtype=torch.long), valid)
             return scores.logits, weights, index
-        cand_idx = scores.ranking.topk(k_orig, dim=-1).indices                # [T, K] best first
-        # [T, K]; made non-increasing along the ranking (a no-op unless the family ranks by another
-        # key, as DeepSeek-V3's bias does), so every prefix policy's choice is a prefix of the ranking
-        cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
+        top = scores.ranking.topk(k_orig, dim=-1)
+        cand_idx = top.indices                                                # [T, K] best first
+        if scores.ranking is scores.probs:                                    # ranked by probability
+            cand_probs = top.values                                           # [T, K], non-increasing
+        else:
+            # [T, K]; made non-increasing along the ranking (the family ranks by another key, as
+            # DeepSeek-V3's bias does), so every prefix policy's choice is a prefix of the ranking
+            cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
         if policy is not None:
             # no host sync on counts: the width comes from the policy, not from the counts
             width = policy.k if isinstance(policy, StaticTopK) else k_orig
