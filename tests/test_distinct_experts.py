@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, evaluate_perplexity, model_fingerprint
+from allocmoe.core import policies
 from allocmoe.core.policies import DistinctExperts, distinct_per_step, policy_from_dict, select_experts
 from allocmoe.routing.apply import distinct_plan
 from conftest import build_tiny
@@ -55,9 +56,18 @@ def kept_sets(index, num_experts):
     return [{int(e) for e in row if e < num_experts} for row in index]
 
 
+@pytest.fixture(params=["host", "tensors"])
+def selection_path(request, monkeypatch):
+    """Run a test on both ways the policy chooses on CPU: Python lists for small passes (decode
+    steps), tensor operations for large ones (as on every other device)."""
+    if request.param == "tensors":
+        monkeypatch.setattr(policies, "HOST_SELECT_MAX_SLOTS", 0)
+    return request.param
+
+
 @pytest.mark.parametrize("batch_size,steps,max_experts,k_floor", [
     (8, 3, 4, 1), (8, 3, 2, 1), (16, 2, 6, 2), (4, 5, 1, 1), (6, 4, 10, 3), (16, 1, 16, 1), (5, 3, 3, 2)])
-def test_the_selection_follows_the_documented_rule_step_by_step(batch_size, steps, max_experts, k_floor):
+def test_the_selection_follows_the_documented_rule_step_by_step(batch_size, steps, max_experts, k_floor, selection_path):
     num_tokens, k_orig = batch_size * steps, 6
     probs = table(num_tokens, seed=batch_size * 7 + max_experts)
     valid = torch.ones(num_tokens, dtype=torch.bool)
@@ -74,7 +84,7 @@ def test_the_selection_follows_the_documented_rule_step_by_step(batch_size, step
 
 @pytest.mark.parametrize("kind", ["ties", "tiny", "underflow"])
 @pytest.mark.parametrize("k_floor", [1, 2])
-def test_ties_go_to_the_lower_expert_and_scores_order_across_magnitudes(kind, k_floor):
+def test_ties_go_to_the_lower_expert_and_scores_order_across_magnitudes(kind, k_floor, selection_path):
     """The order is exact: equal summed scores go to the lower expert index, and scores many orders
     of magnitude apart (down to probabilities that underflow to 0) still order as numbers do."""
     batch_size, steps, k_orig = 8, 3, 6
@@ -95,8 +105,29 @@ def test_ties_go_to_the_lower_expert_and_scores_order_across_magnitudes(kind, k_
         assert (cand_probs == 0).any()        # the case is real: some candidates hold probability 0
 
 
+@pytest.mark.parametrize("seed", range(4))
+def test_both_selection_paths_choose_the_same(seed, monkeypatch):
+    """Lists and tensors agree on random layouts, budgets and floors, with padding, exact ties and
+    probabilities spanning many orders of magnitude (summed in float32 in the same order)."""
+    gen = torch.Generator().manual_seed(seed)
+    for case in range(60):
+        batch_size, steps = int(torch.randint(1, 17, (1,), generator=gen)), int(torch.randint(1, 5, (1,), generator=gen))
+        probs = table(batch_size * steps, seed=seed * 1000 + case, spread=[1.0, 6.0, 60.0][case % 3])
+        if case % 4 == 0:
+            probs = (probs * 8).round() / 8 + 1e-3                       # many equal sums
+        valid = torch.rand(batch_size * steps, generator=gen) > 0.2
+        cand_probs, cand_idx = probs.topk(6, dim=-1)
+        policy = DistinctExperts(int(torch.randint(1, 20, (1,), generator=gen)), int(torch.randint(1, 4, (1,), generator=gen)))
+        on_host = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
+        monkeypatch.setattr(policies, "HOST_SELECT_MAX_SLOTS", 0)
+        with_tensors = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
+        monkeypatch.undo()
+        for a, b in zip(on_host, with_tensors):
+            assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("seed", range(6))
-def test_no_step_loads_more_than_m_experts_and_every_token_keeps_its_floor_when_it_fits(seed):
+def test_no_step_loads_more_than_m_experts_and_every_token_keeps_its_floor_when_it_fits(seed, selection_path):
     gen = torch.Generator().manual_seed(seed)
     batch_size, steps, k_orig, num_experts = int(torch.randint(1, 17, (1,), generator=gen)), 3, 6, 32
     probs = table(batch_size * steps, num_experts, seed=seed, spread=float(torch.rand(1, generator=gen)) * 4)
@@ -126,7 +157,7 @@ def test_m_at_least_e_is_plain_top_k():
         assert torch.equal(index, top_i) and torch.equal(weights, top_w)
 
 
-def test_a_token_may_keep_its_first_and_third_choice_and_a_stranded_token_gets_the_best_chosen_expert():
+def test_a_token_may_keep_its_first_and_third_choice_and_a_stranded_token_gets_the_best_chosen_expert(selection_path):
     # two tokens in one step, K = 3 of E = 5; token 0 ranks 0 > 1 > 2, token 1 ranks 2 > 3 > 0
     probs = torch.tensor([[0.50, 0.30, 0.15, 0.03, 0.02],
                           [0.20, 0.01, 0.60, 0.17, 0.02]])

@@ -89,7 +89,8 @@ class RoutingContext:
             step_len = num_tokens // mask.size(0)
             if step_len <= mask.size(1):
                 # a copy even of a bool mask: the distinct policy keeps it until its counts are read
-                return mask[:, -step_len:].reshape(-1).to(device=device, dtype=torch.bool, copy=True)   # [T]
+                # (one copy: `to` lays out the [B, s] column slice densely, so reshape is a view)
+                return mask[:, -step_len:].to(device=device, dtype=torch.bool, copy=True).reshape(-1)   # [T]
         return torch.ones(num_tokens, dtype=torch.bool, device=device)
 
 
