@@ -150,7 +150,7 @@ def test_row_windows_round_up_to_whole_blocks_inside_the_operand():
 @torch.no_grad()
 def test_weights_first_path_with_widened_row_windows_equals_the_dense_reference(model_type):
     """Many rows per expert, so most experts get a widened window (and the last one a shifted one);
-    gpt_oss adds biases, which must be added to the kept rows only."""
+    gpt_oss, whose transposed weights run tokens-first unwidened, adds biases."""
     from allocmoe.routing.experts import PAD_FROM_ROWS, ROW_BLOCK, weights_first_experts_forward
 
     model = build_tiny(model_type)
@@ -172,13 +172,15 @@ def test_weights_first_path_with_widened_row_windows_equals_the_dense_reference(
 
 def test_tokens_first_product_in_slices_equals_one_product(monkeypatch):
     """From SLICED_FROM_ROWS rows the product runs W in slices of SLICE_ROWS output rows (here 5,
-    so 23 rows make 5 slices, the last one ragged), a transposed view included; below, in one piece."""
+    so 23 rows make 4 whole slices in one batched matmul and a ragged slice of 3), a transposed
+    view included; below, in one piece."""
     from allocmoe.routing import experts
 
     monkeypatch.setattr(experts, "SLICE_ROWS", 5)
     calls = []
-    mm = torch.mm
-    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(b.size(1)) or mm(a, b))
+    mm, matmul = torch.mm, torch.matmul
+    monkeypatch.setattr(torch, "mm", lambda a, b: calls.append(("mm", b.size(1))) or mm(a, b))
+    monkeypatch.setattr(torch, "matmul", lambda a, b: calls.append(("batched", tuple(b.shape))) or matmul(a, b))
     gen = torch.Generator().manual_seed(3)
     weight = torch.randn(23, 16, generator=gen)
     for w in (weight, torch.randn(16, 23, generator=gen).t()):                  # [O, in], contiguous or not
@@ -187,14 +189,16 @@ def test_tokens_first_product_in_slices_equals_one_product(monkeypatch):
             calls.clear()
             out = experts._tokens_first(x, w)
             assert torch.allclose(out, x @ w.t(), atol=1e-6)
-            assert calls == ([5, 5, 5, 5, 3] if rows >= experts.SLICED_FROM_ROWS else [23])
+            sliced = [("batched", (4, 16, 5)), ("mm", 3)]                    # [slices, in, slice rows], the tail
+            assert calls == (sliced if rows >= experts.SLICED_FROM_ROWS else [("mm", 23)])
 
 
 @pytest.mark.parametrize("model_type", ["deepseek_v2", "gpt_oss"])
 @torch.no_grad()
 def test_weights_first_path_with_sliced_tokens_first_experts_equals_transformers_grouped_mm(model_type, monkeypatch):
-    """Experts of 4-8 rows run tokens-first in slices (SLICE_ROWS made small so a tiny model's
-    projections are cut, raggedly); gpt_oss adds transposed weights and biases."""
+    """Experts of 4-14 rows run tokens-first in slices (SLICE_ROWS made small so a tiny model's
+    projections are cut, raggedly); gpt_oss adds transposed weights, which run tokens-first at
+    every row count, and biases."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
     from allocmoe.routing import experts as kernel

@@ -144,8 +144,8 @@ class DistinctExperts:
          top-1 experts still go first, and the M of them with the largest summed score are chosen.
       2. Fill. The rest of the M slots go to the other candidates by summed score: the sum, over
          the step's tokens that hold the expert among their top-K, of its routing probability
-         (float32, as the router computes it). Ties go to the lower expert index. Experts no token holds are never chosen, so a step
-         chooses min(M, distinct candidates) experts.
+         (in float32, token by token). Ties go to the lower expert index. Experts no token holds
+         are never chosen, so a step chooses min(M, distinct candidates) experts.
       3. Keep. Every token keeps those of its top-K candidates that were chosen, and at least one:
          a token none of whose candidates was chosen (possible only when f = 0) keeps the chosen
          expert its router gives the highest probability.
