@@ -48,6 +48,8 @@ done
 # unmodified model and uniform top-k (docs/speed.md's batched-decode table; about 15 minutes on a quiet host)
 python benchmarks/distinct_speed.py --num-layers "$NUM_LAYERS" --batch-size 16 --fraction 0.5 --input-len 64 \
   --output-len 32 --repeats "$REPEATS" --output-json "$OUT/distinct_batch16.json"
-# one expert's matmul time against its rows: weights-first, tokens-first, sliced, packed (a few minutes)
-python benchmarks/sgemm_rows.py --max-rows 16 --packed > "$OUT/sgemm_rows_sliced.txt"
+# one expert's matmul time against its rows: weights-first, tokens-first, the kernel's batched slices,
+# packed; then the same on weights stored transposed (gpt_oss's layout) (a few minutes each)
+python benchmarks/sgemm_rows.py --max-rows 16 --packed > "$OUT/sgemm_rows_batched.txt"
+python benchmarks/sgemm_rows.py --max-rows 16 --transposed > "$OUT/sgemm_rows_transposed.txt"
 echo "wrote $OUT"

@@ -8,15 +8,16 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
   steps with each expert's matmul written weights-first (W @ x^T). With the weight as first
   operand MKL's sgemm handles the few-row operand far better: one DeepSeek-V2-Lite expert with
   4-64 rows runs 1.5-2.2x faster, with 256 rows 1.2x (benchmarks/cpu_speed.py measures whole
-  models). An expert with at most 10 rows (batched decode) runs tokens-first (x @ W^T), MKL's
-  few-row path, which streams W once per 3 rows where W @ x^T took 2.4 times as long from 2 rows;
-  from 4 rows W is cut into slices of 256 output rows, so the second and third passes over a slice
-  read it from cache, not memory (22-37% faster at 4-10 rows for both DeepSeek-V2-Lite
-  projections). An expert's rows are widened to a whole block of 8 from 12 rows on, because MKL
-  runs a ragged tail of rows at up to 1.8x the cost of a whole block (benchmarks/sgemm_rows.py
-  prints these curves). Tiny experts keep grouped_mm, whose single call beats a Python loop over
-  experts there, and so do bf16/fp16 experts, for which the weights-first order measured 10-35%
-  slower.
+  models). An expert with at most 14 rows (batched decode) runs tokens-first (x @ W^T), MKL's
+  few-row path, which streams W once per 3 rows where W @ x^T took twice as long from 2 rows;
+  from 4 rows W is cut into slices of 16 output rows run as one batched matmul, so MKL's later
+  passes over a slice read it from cache, not memory (one DeepSeek-V2-Lite up projection: 1.1-1.7
+  ms at 4-14 rows, against 1.7-3.1 ms in one piece). An expert's rows are widened to a whole block
+  of 8 from 12 rows on, because MKL runs a ragged tail of rows at up to 1.8x the cost of a whole
+  block (benchmarks/sgemm_rows.py prints these curves). Weights stored transposed ([E, in, O],
+  gpt_oss) run tokens-first at every row count: x @ W is then MKL's plain product, 1.2-2x faster
+  than W @ x^T. Tiny experts keep grouped_mm, whose single call beats a Python loop over experts
+  there, and so do bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
 - with `pack_experts(model)` (opt-in: it holds a second copy of every routed expert's weights),
   an expert with more than 3 rows runs oneDNN's linear on weights packed once in its blocked
   layout, which streams them once for any row count: one DeepSeek-V2-Lite up projection takes
@@ -101,11 +102,10 @@ def _weights_first_linear(x: torch.Tensor, weight: torch.Tensor, counts: list[in
                           bias: torch.Tensor | None, packed: list[torch.Tensor] | None = None) -> torch.Tensor:
     """Per expert e, rows of x grouped by expert (counts[e] each): x_e @ W_e^T (+ b_e), computed as
     (W_e @ x_e^T)^T, or as written for at most TOKENS_FIRST_MAX_ROWS rows (batched decode's usual
-    case), in slices of W from SLICED_FROM_ROWS rows (_tokens_first). One DeepSeek-V2-Lite up
-    projection on an Intel Xeon host, weights from memory: 0.78-0.84 ms for 1-3 rows, 1.24-1.61 ms
-    for 4-10 (1.60-2.53 unsliced), against 1.66-1.73 ms weights-first from 2 rows
-    (docs/speed/sgemm_rows_sliced.txt). With `packed` (pack_experts), from PACKED_FROM_ROWS rows on
-    oneDNN's linear on the packed weights. weight is [E, O, in] ([E, in, O] when is_transposed)."""
+    case), in slices of W from SLICED_FROM_ROWS rows (_tokens_first), or as written at any row
+    count when the weights are stored transposed. With `packed` (pack_experts), from
+    PACKED_FROM_ROWS rows on oneDNN's linear on the packed weights. weight is [E, O, in]
+    ([E, in, O] when is_transposed). Timings: docs/speed/sgemm_rows_batched.txt."""
     out_dim = weight.size(2) if is_transposed else weight.size(1)
     out = x.new_empty(x.size(0), out_dim)                                 # [S, O]
     start = 0
