@@ -11,18 +11,19 @@ Routers patched by allocmoe return a [T, W] selection padded with the sentinel i
   models). An expert with at most 14 rows (batched decode) runs tokens-first (x @ W^T), MKL's
   few-row path, which streams W once per 3 rows where W @ x^T took twice as long from 2 rows;
   from 4 rows W is cut into slices of 16 output rows run as one batched matmul, so MKL's later
-  passes over a slice read it from cache, not memory (one DeepSeek-V2-Lite up projection: 1.1-1.7
-  ms at 4-14 rows, against 1.7-3.1 ms in one piece). An expert's rows are widened to a whole block
+  passes over a slice read it from cache, not memory (one DeepSeek-V2-Lite up projection: 1.2-1.8
+  ms at 4-14 rows, against 1.8-3.5 ms in one piece). An expert's rows are widened to a whole block
   of 8 from 12 rows on, because MKL runs a ragged tail of rows at up to 1.8x the cost of a whole
   block (benchmarks/sgemm_rows.py prints these curves). Weights stored transposed ([E, in, O],
-  gpt_oss) run tokens-first at every row count: x @ W is then MKL's plain product, 1.2-2x faster
-  than W @ x^T. Tiny experts keep grouped_mm, whose single call beats a Python loop over experts
-  there, and so do bf16/fp16 experts, for which the weights-first order measured 10-35% slower.
+  gpt_oss) run tokens-first at every row count: x @ W is then MKL's plain product, 2-3x faster
+  than W @ x^T at 2-16 rows. Tiny experts keep grouped_mm, whose single call beats a Python loop
+  over experts there, and so do bf16/fp16 experts, for which the weights-first order measured
+  10-35% slower.
 - with `pack_experts(model)` (opt-in: it holds a second copy of every routed expert's weights),
   an expert with more than 3 rows runs oneDNN's linear on weights packed once in its blocked
-  layout, which streams them once for any row count: one DeepSeek-V2-Lite up projection takes
-  1.0-1.1 ms for 4-6 rows against 1.24-1.36 ms sliced, and stays ahead up to 256 rows
-  (benchmarks/sgemm_rows.py --packed prints the curve).
+  layout, which streams them once for any row count. The default kernel's batched slices now
+  match it up to 14 rows (docs/speed/sgemm_rows_batched.txt); from 15 rows it stays ahead of
+  weights-first up to 256 rows (benchmarks/sgemm_rows.py --packed prints the curve).
 
 Registered with transformers as the experts implementation "allocmoe", so
 `model.set_experts_implementation("allocmoe")` uses it without a plan.
@@ -132,8 +133,9 @@ def _tokens_first(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     """x [n, in] @ w [O, in]^T. MKL's few-row sgemm passes over W once per 3 rows of x, each pass
     from memory. From SLICED_FROM_ROWS rows W is cut into slices of SLICE_ROWS output rows, run as
     one batched matmul: MKL then makes all its passes over a slice while it is in cache (one
-    DeepSeek-V2-Lite up projection at 4-14 rows: 1.1-1.6 ms, against 1.7-3.1 ms in one piece and
-    1.5-2.1 ms in slices of 256 run one by one; benchmarks/sgemm_rows.py prints the curves)."""
+    DeepSeek-V2-Lite up projection at 4-14 rows: 1.2-1.8 ms, against 1.8-3.5 ms in one piece;
+    docs/speed/sgemm_rows_batched.txt). Slices of 256 run one by one, as before, left the later
+    passes mostly to memory: 1.47-2.23 ms at 4-14 rows where these took 1.13-1.68, side by side."""
     num_rows, out_dim = x.size(0), w.size(0)
     if num_rows < SLICED_FROM_ROWS or out_dim < 2 * SLICE_ROWS:
         return torch.mm(x, w.t())
