@@ -306,3 +306,26 @@ def test_sigint_and_sigterm_wait_until_the_held_block_ends():
     finally:
         signal.signal(signal.SIGTERM, previous)
         signal.signal(signal.SIGINT, previous_int)
+
+
+def test_a_bar_caught_while_being_made_is_closed_before_the_interrupted_line(tiny_folder, tmp_path, monkeypatch, capsys):
+    """The interrupt can land inside tqdm's constructor, after its first frame and before its `with`
+    block is entered, so nothing closes that bar as the stack unwinds (seen once in the sweep run
+    above). The CLI closes every open bar before it prints: the message is a line of its own."""
+    from tqdm import tqdm
+
+    from allocmoe.calibrate import profile
+    from allocmoe.cli import main
+
+    def interrupted(*args, **kwargs):
+        bar = tqdm(total=6, desc="sweep", unit="run", file=sys.stderr)   # drawn, never closed; the traceback
+        raise KeyboardInterrupt(bar)                                     # keeps it alive, as the real frame did
+
+    monkeypatch.setattr(profile, "profile_sensitivity", interrupted)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["profile", "--model", str(tiny_folder), "--calib-tokens", "128", "--seq-len", "32",
+              "--output", str(tmp_path / "p.json")])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 130
+    assert re.split(r"[\r\n]", err.rstrip("\r\n"))[-1] == INTERRUPTED, err
+    assert "sweep:" in err and not (tmp_path / "p.json").exists()

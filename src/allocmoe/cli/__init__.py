@@ -61,6 +61,7 @@ def main(argv: list[str] | None = None) -> None:
         print(f"allocmoe: error: {exc}", file=sys.stderr)
         sys.exit(2)
     except KeyboardInterrupt:
+        _close_bars()
         print("allocmoe: interrupted (a profile resumes from its .partial.json when rerun)", file=sys.stderr)
         sys.exit(130)
     except MemoryError:
@@ -79,6 +80,19 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)
+
+
+def _close_bars() -> None:
+    """Close every progress bar still open, so the interrupted line starts a line of its own. A bar
+    whose `with` block unwound is closed already; one caught while it was being made (the interrupt
+    landed inside tqdm's constructor, after its first frame) never entered its block."""
+    from tqdm import tqdm
+
+    for bar in list(getattr(tqdm, "_instances", ())):
+        try:
+            bar.close()
+        except Exception:            # half-built: nothing more to close, and the message must still go out
+            pass
 
 
 def _interrupt(signum, frame):
