@@ -16,7 +16,6 @@ import argparse
 import contextlib
 import json
 import statistics
-import time
 
 import torch
 

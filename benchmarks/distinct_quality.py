@@ -178,7 +178,7 @@ def table(result: dict) -> str:
                        f"{r['distinct_experts_per_step']:.2f} ({r['max_distinct_experts_per_step']}) | "
                        f"{r['perplexity']:.3f} | {fmt(eq[EVEN], r['perplexity'])} | "
                        f"{fmt(eq[UNIFORM], r['perplexity'])} | {fmt(eq[ALLOC_MOE], r['perplexity'])} |")
-    out += ["", f"Against each method's cheapest measured point that loads at least as many distinct experts per step "
+    out += ["", "Against each method's cheapest measured point that loads at least as many distinct experts per step "
             "(no interpolation):", "",
             f"| latency budget | distinct/step | test ppl | {EVEN} | {UNIFORM} | {ALLOC_MOE} |", "|---|---|---|---|---|---|"]
     for r in result["rows"]:
