@@ -187,7 +187,7 @@ class DistinctExperts:
         if num_steps > 1:
             slot = (torch.arange(num_tokens, device=device) % num_steps)[:, None] * num_experts + cand_idx
         tier = self._tier(slot, valid, num_steps, num_experts)                              # [S, E] 2, 1 or 0
-        weight = (cand_probs if cand_probs.dtype == torch.float32 else cand_probs.float()) * valid[:, None]
+        weight = cand_probs.float() * valid[:, None]                                        # [T, K] padding adds 0
         score = torch.zeros(num_steps * num_experts, dtype=torch.float32, device=device)
         score = score.index_add_(0, slot.reshape(-1), weight.reshape(-1)).view(num_steps, num_experts)   # [S, E]
         chosen = _top_by_key(tier, score, self.max_experts) & (tier > 0)                    # [S, E]

@@ -117,9 +117,14 @@ class LayerStats:
 
     def add_steps(self, index: torch.Tensor, valid: torch.Tensor, batch_size: int, num_experts: int) -> None:
         distinct, real = distinct_per_step(index, valid, batch_size, num_experts)      # [S], [S]
-        most = (distinct * real).max()
-        self.steps = self.steps + real.sum()
-        self.distinct = self.distinct + (distinct * real).sum()
+        self._add_loaded(distinct * real, real.sum())
+
+    def _add_loaded(self, loaded: torch.Tensor, steps: torch.Tensor) -> None:
+        """loaded [S]: the experts each step loaded (0 for a step without real tokens); steps: how
+        many of them count."""
+        most = loaded.max()
+        self.steps = self.steps + steps
+        self.distinct = self.distinct + loaded.sum()
         self.distinct_max = most if self.distinct_max is None else torch.maximum(self.distinct_max, most)
 
     def add_distinct(self, keep: torch.Tensor, valid: torch.Tensor, outside: torch.Tensor,
@@ -137,15 +142,10 @@ class LayerStats:
             keep, valid, outside, distinct = (torch.cat([p[i].reshape(-1) for p in self._passes])
                                               for i in range(4))
             self._passes = []
-            real = valid.sum()
             self.activations = self.activations + keep.sum()
-            self.tokens = self.tokens + real
-            self.chooser_tokens = self.chooser_tokens + real
-            self.top1_outside = self.top1_outside + outside.sum()
-            most = distinct.max()
-            self.steps = self.steps + (distinct > 0).sum()
-            self.distinct = self.distinct + distinct.sum()
-            self.distinct_max = most if self.distinct_max is None else torch.maximum(self.distinct_max, most)
+            self.tokens = self.tokens + valid.sum()
+            self.add_top1(outside, valid)
+            self._add_loaded(distinct, (distinct > 0).sum())     # a step with real tokens loads at least 1
         return self
 
     def add_top1(self, outside: torch.Tensor, routed: torch.Tensor) -> None:
