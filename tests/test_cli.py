@@ -170,17 +170,16 @@ def test_an_unexpected_failure_is_one_line_and_exit_1_and_debug_shows_the_traceb
 
 
 def test_sigterm_unwinds_like_ctrl_c(tmp_path):
-    """`kill` on a running command: exit 130 and the interrupted line, not a silent death."""
+    """`kill` on a running command: exit 130 and the interrupted line, not a silent death. The command
+    sleeps 10 minutes, so 130 can only come from the signal; the timeout only guards a hang."""
     import os
     import signal
-    import time
 
     script = ("import time, allocmoe.cli as c, allocmoe.cli.measure as m\n"
-              "m.cmd_compare = lambda args: (print('ready', flush=True), time.sleep(60))\n"
+              "m.cmd_compare = lambda args: (print('ready', flush=True), time.sleep(600))\n"
               "c.main(['compare', 'a', 'b'])\n")
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "ready"
     os.kill(proc.pid, signal.SIGTERM)
-    start = time.monotonic()
-    _, err = proc.communicate(timeout=30)
-    assert proc.returncode == 130 and "allocmoe: interrupted" in err and time.monotonic() - start < 30
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 130 and "allocmoe: interrupted" in err

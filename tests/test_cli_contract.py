@@ -1,6 +1,6 @@
 """Bad invocations, table-driven (issue 21's contract): each exits 2 with one error line naming the
-problem, no traceback, in well under 20 s, before any forward pass (and, unless the row says the check
-needs them, before the weights are read), and leaves nothing behind in any folder it was given or in
+problem, no traceback, before any forward pass (and, unless the row says the check needs them, before
+the weights are read: both counted, never timed), and leaves nothing behind in any folder it was given or in
 the working folder. The table grows with every refusal we add.
 Every line says how to fix the problem, after "; ".
 """
@@ -11,7 +11,6 @@ import json
 import os
 import re
 import shutil
-import time
 from pathlib import Path
 from typing import NamedTuple
 
@@ -464,11 +463,9 @@ def test_a_bad_invocation_is_one_clear_line_exit_2_before_any_work(index, files,
     monkeypatch.chdir(tmp_path)                        # default output folders (allocmoe-sweep, ...) land here
     folders = (files, tiny_folder, tmp_path)
     before = _state(folders)
-    start = time.monotonic()
     with pytest.raises(SystemExit) as exc:
         main(list(row.argv))
         pytest.fail(f"accepted: {row.argv}")
-    seconds = time.monotonic() - start
     err = capsys.readouterr().err
     lines = _error_lines(err)
     assert exc.value.code == 2, (row.argv, err)
@@ -476,7 +473,6 @@ def test_a_bad_invocation_is_one_clear_line_exit_2_before_any_work(index, files,
     assert "error: " in lines[0] and row.message in lines[0], (row.argv, lines[0])
     said = lines[0].split("error: ", 1)[1]
     assert "; " in said, f"no '; <how to fix it>': {said}"
-    assert seconds < 20, (row.argv, seconds)
     assert counted["forward"] == 0, f"{counted['forward']} forward calls before refusing {row.argv}"
     assert row.loads or counted["loads"] == 0, f"weights read before refusing {row.argv}"
     assert _state(folders) == before, "written or changed: " + str(set(_state(folders)) ^ set(before))
