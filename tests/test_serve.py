@@ -30,10 +30,12 @@ def serving(app):
     """Run `app` under uvicorn in a thread on a free 127.0.0.1 port; yield its base URL."""
     import uvicorn
 
+    from allocmoe.serve.http import uvicorn_config
+
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
+    server = uvicorn.Server(uvicorn_config(app, "127.0.0.1", port, app.state.server.config.limits, "warning"))
     thread = threading.Thread(target=server.run, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
@@ -215,10 +217,20 @@ BAD = [
     ({"prompt": 5}, 400, "prompt"),
     ({"prompt": ["a", "b"]}, 400, "send one prompt per request"),
     ({"prompt": [1, 2, 99999]}, 400, "outside the vocabulary"),
-    ({"prompt": ""}, 400, "the prompt is empty"),
+    ({"prompt": ""}, 400, "prompt: String should have at least 1 character"),
     ({"prompt": "hi", "n": 2}, 400, "n=2"),
     ({"prompt": "hi", "tools": []}, 400, "unsupported field 'tools'"),
     ({"prompt": "hi", "logprobs": 3}, 400, "logprobs=3"),
+    ({"prompt": "hi", "logprobs": 0, "stream": True}, 400, "logprobs with stream"),
+    ({"prompt": "hi", "best_of": 0}, 400, "best_of"),
+    ({"prompt": "hi", "best_of": 2}, 400, "best_of=2"),
+    ({"prompt": "hi", "stream_options": {"include_usage": True}}, 400, "stream_options applies only with stream"),
+    ({"prompt": "a\ud800b"}, 400, "lone UTF-16 surrogate"),
+    ({"prompt": ["a\ud800b"]}, 400, "prompt.0"),
+    ({"prompt": "hi", "stop": ["\udfff"]}, 400, "surrogate"),
+    ({"prompt": "hi", "model": "x\ud800"}, 400, "surrogate"),
+    ({"prompt": "hi", "\ud800": 1}, 400, "surrogate"),
+    ({"prompt": "word " * 400_000}, 400, "more than the model's context of 512 tokens can hold"),
     ({"prompt": "hi", "stop": [""]}, 400, "stop strings must not be empty"),
     ({"prompt": "hi", "allocmoe": {"budget": "lots"}}, 400, "is not a number"),
     ({"prompt": "hi", "allocmoe": {"budget": 2000}}, 400, "above the full budget"),
@@ -230,7 +242,8 @@ BAD = [
 
 @pytest.mark.parametrize("body, status, message", BAD)
 def test_bad_requests_get_a_4xx_with_openai_error_json(base, body, status, message):
-    r = httpx.post(f"{base}/v1/completions", json=body)
+    # json.dumps escapes a lone surrogate as \\ud800 (valid JSON, which httpx's json= cannot encode)
+    r = httpx.post(f"{base}/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
     error = r.json()["error"]
     assert r.status_code == status == error["code"] and message in error["message"], error
 
@@ -246,6 +259,24 @@ def test_malformed_json_wrong_routes_and_chat_errors_are_4xx_json(base):
     assert r.status_code == 400 and "messages" in r.json()["error"]["message"]
     r = httpx.post(f"{base}/v1/chat/completions", json={"messages": [{"role": "wizard", "content": "x"}]})
     assert r.status_code == 400
+
+
+def test_a_lone_surrogate_is_a_400_and_the_kept_alive_connection_goes_on(base):
+    """Issue 39: "a\\ud800b" reached the tokenizer (TypeError, 500) and reset the connection."""
+    bodies = [{"prompt": "a\ud800b", "max_tokens": 2},
+              {"messages": [{"role": "user", "content": "a\ud800b"}], "max_tokens": 2},
+              {"messages": [{"role": "user", "content": [{"type": "text", "text": "\udc00"}]}], "max_tokens": 2},
+              {"messages": [{"role": "user", "content": "hi", "name": "\ud83d"}], "max_tokens": 2}]
+    connections = []
+    with httpx.Client(base_url=base, headers={"content-type": "application/json"}) as http:
+        for body in bodies:
+            route = "/v1/chat/completions" if "messages" in body else "/v1/completions"
+            r = http.post(route, content=json.dumps(body),
+                          extensions={"trace": lambda name, info: connections.append(info)
+                                      if name == "connection.connect_tcp.complete" else None})
+            assert r.status_code == 400 and "surrogate" in r.json()["error"]["message"], r.text
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 2}).status_code == 200
+    assert len(connections) == 1, "the server closed the kept-alive connection"
 
 
 @pytest.fixture(scope="module")

@@ -3,16 +3,22 @@ allocated on the fly for a requested budget (from a profile, by the exact solver
 
 Model ids follow `MODEL@NAME`. Alloc-T layers pool per sequence here: a batch-wide pool would let
 one request's tokens take another request's activations.
+
+At most `max_budget_plans` budget plans are kept: a new budget past that evicts the least recently
+used one that no request holds (`resolve` holds a plan until `release`), reusing its slot in the
+handle, so one client asking for many budgets cannot lock later clients out.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
 from ..routing.apply import PlanHandle, apply_plans, static_plan
+from ..routing.substitute import layer_substitute
 from ..core.budget import Budget
 from ..errors import AllocMoeError
 from ..core.plan import Plan, model_fingerprint
@@ -34,7 +40,9 @@ class PlanRegistry:
     def __init__(self, model, model_name: str, plans: dict[str, Plan] | None = None,
                  profile: dict[str, Any] | None = None, max_budget_plans: int = 32):
         self.model, self.model_name, self.profile = model, model_name, profile
-        self.max_budget_plans, self._budget_plans = max_budget_plans, 0
+        self.max_budget_plans = max_budget_plans
+        self._budget_lru: OrderedDict[str, int] = OrderedDict()   # budget plan name -> index, oldest use first
+        self._holders: dict[int, int] = {}                        # index -> requests holding it
         fingerprint = model_fingerprint(model)
         self.num_layers, self.k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
         self.full_budget = float(self.num_layers * self.k_orig)
@@ -77,12 +85,28 @@ class PlanRegistry:
         if budget is not None:
             return self._for_budget(budget, method)
         if name is None:
-            return 0, None
+            with self._lock:
+                return self._held(0, None)
         with self._lock:
             if name not in self._by_name:
                 known = ", ".join(sorted(self._by_name)) or "none"
                 raise UnknownPlan(f"no plan named {name!r} on this server (plans: {known}); see GET /v1/models")
-            return self._by_name[name], name
+            if name in self._budget_lru:
+                self._budget_lru.move_to_end(name)
+            return self._held(self._by_name[name], name)
+
+    def release(self, index: int) -> None:
+        """A request that `resolve` gave `index` has finished with it."""
+        with self._lock:
+            left = self._holders.get(index, 0) - 1
+            if left > 0:
+                self._holders[index] = left
+            else:
+                self._holders.pop(index, None)
+
+    def _held(self, index: int, name: str | None) -> tuple[int, str | None]:
+        self._holders[index] = self._holders.get(index, 0) + 1     # under self._lock
+        return index, name
 
     def _for_budget(self, budget: float | str, method: str) -> tuple[int, str]:
         from ..calibrate.methods import PROFILE_METHODS, allocate
@@ -94,20 +118,44 @@ class PlanRegistry:
             raise AllocMoeError(f"a budget with method {method!r} needs a profile: start the server with "
                                 "--profile PROFILE.json, or name a plan instead")
         name = f"{method}-B{parsed.activations_per_token:g}"
-        with self._lock:
-            if name in self._by_name:
-                return self._by_name[name], name
-            if self._budget_plans >= self.max_budget_plans:
-                raise AllocMoeError(f"this server already holds {self.max_budget_plans} plans made for budgets; "
-                                    "ask for one of those budgets (see GET /v1/models) or name a plan")
-            plan = allocate(parsed, method, profile=self.profile, model=self.model,
-                            config={"progress": False})    # no bars in a server's log
-            index = self.handle.add_plan(per_sequence(plan))
+        with self._lock:          # held while allocating: callers run this off the event loop
+            if name in self._budget_lru:
+                self._budget_lru.move_to_end(name)
+                return self._held(self._budget_lru[name], name)
+            victim = None
+            if len(self._budget_lru) >= self.max_budget_plans:
+                victim = next((n for n, i in self._budget_lru.items() if not self._holders.get(i)), None)
+                if victim is None:
+                    raise AllocMoeError(f"all {self.max_budget_plans} plans made for budgets are in use by running "
+                                        "requests; retry shortly, ask for one of those budgets (see GET /v1/models), "
+                                        "or name a plan")
+            plan = per_sequence(allocate(parsed, method, profile=self.profile, model=self.model,
+                                         config={"progress": False}))    # no bars in a server's log
+            if victim is None:
+                index = self.handle.add_plan(plan)
+                self.names.append(name)
+                self.plans.append(self.handle.plans[index])
+            else:
+                index = self._budget_lru.pop(victim)
+                del self._by_name[victim]
+                _replace_plan(self.handle, index, plan)
+                self.names[index], self.plans[index] = name, plan
             self._by_name[name] = index
-            self._budget_plans += 1
-            self.names.append(name)
-            self.plans.append(self.handle.plans[index])
-            return index, name
+            self._budget_lru[name] = index
+            return self._held(index, name)
 
     def close(self) -> None:
         self.handle.remove()
+
+
+def _replace_plan(handle: PlanHandle, index: int, plan: Plan) -> None:
+    """Install `plan` in slot `index` of `handle`, in place of a plan no request holds: what
+    `PlanHandle.add_plan` does, at an old index (apply.py has no such method yet)."""
+    plan.check_model(handle.model)
+    for layer in handle._layers:
+        plan.layers[layer.index].check(handle._k_orig)
+    added = {layer.index: layer_substitute(plan, layer) for layer in handle._layers}
+    for layer in handle._layers:
+        handle._policies[layer.index][index] = plan.layers[layer.index]
+        handle._means[layer.index][index] = added[layer.index]
+    handle.plans[index] = plan
