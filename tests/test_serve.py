@@ -279,15 +279,78 @@ def test_a_lone_surrogate_is_a_400_and_the_kept_alive_connection_goes_on(base):
     assert len(connections) == 1, "the server closed the kept-alive connection"
 
 
+HANG = 120          # seconds: only ever a guard against a hung test, never a limit on how fast anything is
+AUTH = {"Authorization": "Bearer sekret"}
+NAMED = "{% for m in messages %}{{ m.role }}{% if m.name %} ({{ m.name }}){% endif %}: {{ m.content }}\n{% endfor %}A:"
+
+
+def wait_for(check, what: str) -> None:
+    """Poll `check` until true; fail only if it never becomes true (a hang)."""
+    deadline = time.monotonic() + HANG
+    while not check():
+        if time.monotonic() > deadline:
+            pytest.fail(f"hung waiting until {what}")
+        time.sleep(0.02)
+
+
+class Gate:
+    """The guarded server's forward passes go through only when the test lets them, so a test counts
+    passes (work) instead of timing anything. Open by default; `close()`, then `allow(n)` or `open()`."""
+
+    def __init__(self):
+        self.cond = threading.Condition()
+        self.is_open, self.allowed, self.passes = True, 0, 0
+
+    def hook(self, module, args) -> None:
+        with self.cond:
+            self.cond.wait_for(lambda: self.is_open or self.allowed > 0, timeout=HANG)
+            if not self.is_open and self.allowed:
+                self.allowed -= 1
+            self.passes += 1
+
+    def close(self) -> None:
+        with self.cond:
+            self.is_open, self.allowed = False, 0
+
+    def allow(self, n: int) -> None:
+        with self.cond:
+            self.allowed += n
+            self.cond.notify_all()
+
+    def open(self) -> None:
+        with self.cond:
+            self.is_open = True
+            self.cond.notify_all()
+
+
 @pytest.fixture(scope="module")
-def guarded():
-    """A second server: one slot, no queue, an API key. Each forward pass sleeps 10 ms, so a 500-token
-    request holds its slot for 5 s or more: on a loaded host the tiny model could otherwise finish it
-    before the test's next request arrives (the full-queue test then saw a 200 instead of a 503)."""
+def guarded_server():
+    """A second server: one slot, no queue, an API key, small HTTP limits, its forward passes gated."""
+    from allocmoe.serve.http import HTTPLimits
+
     model, tok = load_model()
-    model.register_forward_pre_hook(lambda module, args: time.sleep(0.01))
-    with serving(create_app(model, tok, ServerConfig(max_batch_size=1, max_queue=0, api_key="sekret"))) as url:
-        yield url
+    gate = Gate()
+    model.register_forward_pre_hook(gate.hook)
+    limits = HTTPLimits(max_request_bytes=64 << 10, request_timeout=2, timeout_keep_alive=HANG, max_connections=32)
+    config = ServerConfig(max_batch_size=1, max_queue=0, api_key="sekret", chat_template=NAMED, limits=limits)
+    try:
+        with serving(create_app(model, tok, config)) as url:
+            yield url, gate
+    finally:
+        gate.open()
+
+
+@pytest.fixture
+def guarded(guarded_server):
+    url, gate = guarded_server
+    gate.open()
+    yield url
+    gate.open()
+
+
+@pytest.fixture
+def gate(guarded_server):
+    return guarded_server[1]
 
 
 def test_api_key_is_required_on_v1_routes_only(guarded):
@@ -301,10 +364,13 @@ def test_api_key_is_required_on_v1_routes_only(guarded):
         openai.OpenAI(base_url=f"{guarded}/v1", api_key="wrong", max_retries=0).models.list()
 
 
-def test_a_full_queue_answers_503_with_retry_after_and_a_disconnect_frees_the_slot(guarded):
-    auth = {"Authorization": "Bearer sekret"}
+def test_a_full_queue_answers_503_with_retry_after_and_a_disconnect_frees_the_slot(guarded, gate):
     long = {"prompt": "Once", "max_tokens": 500, "stream": True, "ignore_eos": True}
-    with httpx.Client(headers=auth) as http:
+    cancelled = metric(guarded, "allocmoe_requests_total", status="499")
+    gate.close()
+    start = gate.passes
+    gate.allow(1)                                                     # the prefill, which makes the first token
+    with httpx.Client(headers=AUTH) as http:
         with http.stream("POST", f"{guarded}/v1/completions", json=long) as first:
             assert first.status_code == 200, first.read()
             line = next(first.iter_lines())                           # generating: the one slot is taken
@@ -312,27 +378,142 @@ def test_a_full_queue_answers_503_with_retry_after_and_a_disconnect_frees_the_sl
             r = http.post(f"{guarded}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
             assert r.status_code == 503 and r.headers["retry-after"] == "1"
             assert "queue is full" in r.json()["error"]["message"]
-        # the client went away mid-stream: the slot frees, and the next request is answered
-        deadline = time.monotonic() + 30
-        while metric(guarded, "allocmoe_num_requests_running") > 0:
-            assert time.monotonic() < deadline, "the cancelled stream kept its slot"
-            time.sleep(0.05)
+        # the client went away mid-stream: the server notices, then the slot frees at the next step
+        wait_for(lambda: metric(guarded, "allocmoe_requests_total", status="499") == cancelled + 1,
+                 "the server counts the stream's client gone (499)")
+        gate.open()
+        wait_for(lambda: metric(guarded, "allocmoe_num_requests_running") == 0, "the cancelled stream frees its slot")
+        assert gate.passes - start <= 3, "the cancelled stream ran on past the decode step it was in"
         r = http.post(f"{guarded}/v1/completions", json={"prompt": "hi", "max_tokens": 2})
         assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 2
-        assert metric(guarded, "allocmoe_requests_total", status="499") == 1
-        assert metric(guarded, "allocmoe_generation_tokens_total") < 500 + 2
 
 
-def test_a_non_streaming_client_that_disconnects_frees_its_slot(guarded):
-    auth = {"Authorization": "Bearer sekret"}
-    with pytest.raises(httpx.TimeoutException):
-        httpx.post(f"{guarded}/v1/completions", headers=auth, timeout=0.5,
-                   json={"prompt": "Once", "max_tokens": 500, "ignore_eos": True})
-    deadline = time.monotonic() + 30
-    while metric(guarded, "allocmoe_num_requests_running") > 0:
-        assert time.monotonic() < deadline, "the abandoned request kept its slot"
-        time.sleep(0.05)
-    assert metric(guarded, "allocmoe_requests_total", status="499") >= 1
+def test_a_non_streaming_client_that_disconnects_is_cancelled_and_counted_499(guarded, gate):
+    """Issue 39: such a request ran on to max_tokens holding its slot, and was counted 200."""
+    counts = {s: metric(guarded, "allocmoe_requests_total", status=s) for s in ("200", "499")}
+    body = json.dumps({"prompt": "Once", "max_tokens": 500, "ignore_eos": True}).encode()
+    gate.close()
+    start = gate.passes
+    port = int(guarded.rsplit(":", 1)[1])
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer sekret\r\n"
+                     b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+        gate.allow(1)                                                 # the prefill only
+        wait_for(lambda: gate.passes > start and metric(guarded, "allocmoe_num_requests_running") == 1,
+                 "the request is generating")
+    wait_for(lambda: metric(guarded, "allocmoe_requests_total", status="499") == counts["499"] + 1,
+             "the server counts the client gone (499)")
+    gate.open()
+    wait_for(lambda: metric(guarded, "allocmoe_num_requests_running") == 0, "the abandoned request frees its slot")
+    assert gate.passes - start <= 3, "the abandoned request ran on past the decode step it was in"
+    assert metric(guarded, "allocmoe_requests_total", status="200") == counts["200"]
+
+
+def _raw(port: int, data: bytes) -> socket.socket:
+    sock = socket.create_connection(("127.0.0.1", port))
+    sock.settimeout(HANG)
+    sock.sendall(data)
+    return sock
+
+
+def _read_to_close(sock: socket.socket) -> bytes:
+    """What the server sends until it closes the connection (a hang fails after HANG s)."""
+    out = b""
+    with contextlib.suppress(ConnectionResetError):
+        while chunk := sock.recv(65536):
+            out += chunk
+    sock.close()
+    return out
+
+
+def test_a_body_past_the_limit_gets_413_unread_and_others_are_served(guarded):
+    """Issue 39: no body limit; a megabyte prompt froze every client. 64 KiB is this server's cap."""
+    port = int(guarded.rsplit(":", 1)[1])
+    head = b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer sekret\r\n"
+    sock = _raw(port, head + b"Content-Type: application/json\r\nContent-Length: 100000000\r\n\r\n{")
+    answer = _read_to_close(sock)                        # answered (and closed) with 99.99 MB never sent
+    status, _, body = answer.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 413 ") and json.loads(body)["error"]["code"] == 413, answer[:300]
+    assert b"--max-request-bytes" in body
+    assert httpx.get(f"{guarded}/health").status_code == 200
+    # a chunked body (no Content-Length) is cut off once it passes the cap
+    r = httpx.post(f"{guarded}/v1/completions", headers=AUTH, content=(b"x" * 4096 for _ in range(20)))
+    assert r.status_code == 413 and r.json()["error"]["code"] == 413
+    # without the key: 401 before anything is read
+    sock = _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 100000000\r\n\r\n")
+    assert _read_to_close(sock).startswith(b"HTTP/1.1 401 ")
+    assert metric(guarded, "allocmoe_requests_total", status="413") >= 2
+
+
+def test_half_sent_requests_are_cut_off_and_others_are_served(guarded):
+    """Issue 39 (slowloris): 20 connections with half a header stayed open; a body shorter than its
+    Content-Length was never answered. This server's --request-timeout is 2 s."""
+    port = int(guarded.rsplit(":", 1)[1])
+    half = [_raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nX-Slow: ") for _ in range(20)]
+    idle = _raw(port, b"")
+    short = _raw(port, b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nAuthorization: Bearer sekret\r\n"
+                       b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"prompt\"")
+    assert httpx.get(f"{guarded}/health").status_code == 200      # served meanwhile
+    for sock in half + [idle]:
+        assert _read_to_close(sock) == b""                           # closed by the server, not by us
+    status, _, body = _read_to_close(short).partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 408 ") and json.loads(body)["error"]["code"] == 408, status
+    assert httpx.get(f"{guarded}/health").status_code == 200
+
+
+def test_connections_past_the_cap_get_503_json(guarded):
+    port = int(guarded.rsplit(":", 1)[1])
+    held, refused = [], None
+    try:
+        for _ in range(48):                                  # this server's --max-connections is 32
+            sock = _raw(port, b"GET /health HTTP/1.1\r\nHost: t\r\n\r\n")
+            answer = sock.recv(65536)
+            if not answer.startswith(b"HTTP/1.1 200 "):
+                refused = answer + _read_to_close(sock)
+                break
+            held.append(sock)
+    finally:
+        for sock in held:
+            sock.close()
+    assert refused is not None and 1 <= len(held) <= 32, (len(held), refused)
+    status, _, body = refused.partition(b"\r\n\r\n")
+    assert status.startswith(b"HTTP/1.1 503 ") and json.loads(body)["error"]["code"] == 503, refused
+    wait_for(lambda: httpx.get(f"{guarded}/health").status_code == 200, "a connection is served again")
+
+
+def test_logprobs_zero_returns_each_chosen_tokens_logprob(client, reference):
+    """Issue 39: logprobs 0 answered 200 with logprobs null. The values are the model's own."""
+    import torch
+
+    reply = client.completions.create(model=MODEL, prompt=PROMPTS[0], max_tokens=5, temperature=0, logprobs=0)
+    lp = reply.choices[0].logprobs
+    model, tok = reference
+    ids = tok(PROMPTS[0])["input_ids"]
+    new = tok("".join(lp.tokens))["input_ids"]
+    assert len(lp.token_logprobs) == len(lp.tokens) == reply.usage.completion_tokens == 5
+    assert "".join(lp.tokens) == reply.choices[0].text
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + new])).logits[0].log_softmax(-1)
+    expected = [float(logits[len(ids) - 1 + i, t]) for i, t in enumerate(new)]
+    assert lp.token_logprobs == pytest.approx(expected, abs=1e-4)
+    assert lp.top_logprobs == [{t: v} for t, v in zip(lp.tokens, lp.token_logprobs)]
+    chat = client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "Hi"}], max_tokens=4,
+                                          temperature=0, logprobs=True, top_logprobs=0)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens and all(c.logprob <= 0 for c in content)
+    assert "".join(c.token for c in content) == chat.choices[0].message.content
+
+
+def test_a_chat_messages_name_reaches_the_template(guarded):
+    """Issue 39: a message's `name` was dropped; it goes to the chat template, as vLLM does."""
+    def prompt_tokens(message):
+        r = httpx.post(f"{guarded}/v1/chat/completions", headers=AUTH,
+                       json={"messages": [message], "max_tokens": 1})
+        assert r.status_code == 200, r.text
+        return r.json()["usage"]["prompt_tokens"]
+
+    assert prompt_tokens({"role": "user", "content": "Hi", "name": "Bartholomew"}) > \
+        prompt_tokens({"role": "user", "content": "Hi"})
 
 
 def test_allocmoe_serve_command_serves_its_plans_behind_the_key(tmp_path, setup):

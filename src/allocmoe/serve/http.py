@@ -52,14 +52,15 @@ class Guard:
     async def __call__(self, scope, receive, send) -> None:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
+        with_body = scope["method"] in ("POST", "PUT", "PATCH")
         try:
             self._check_key(scope)
-            if scope["method"] in ("POST", "PUT", "PATCH"):
+            if with_body:
                 receive = await self._read_body(scope, receive)
         except _Refused as refused:
             self.on_refuse(refused.status)
-            return await _send_error(send, refused.status, refused.message,
-                                     close=refused.status in (408, 413))
+            # a body left unread must not be taken for the next request: close the connection
+            return await _send_error(send, refused.status, refused.message, close=with_body)
         await self.app(scope, receive, send)
 
     def _check_key(self, scope) -> None:
