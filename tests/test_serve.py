@@ -548,6 +548,61 @@ def test_allocmoe_serve_command_serves_its_plans_behind_the_key(tmp_path, setup)
     assert f"serving {MODEL}, {MODEL}@third on http://127.0.0.1:{port}/v1" in out
 
 
+SLOW_SERVE = """
+import sys, time
+from torch.nn.modules.module import register_module_forward_pre_hook
+
+def slow(module, args):                 # every forward pass of the model takes 50 ms or more
+    if type(module).__name__.endswith("ForCausalLM"):
+        time.sleep(0.05)
+
+register_module_forward_pre_hook(slow)
+from allocmoe.cli import main
+main(sys.argv[1:])
+"""
+
+
+def test_sigterm_drains_then_ends_open_streams_with_an_error_event():
+    """Issue 39: SIGTERM waited for running generations with no deadline. `allocmoe serve
+    --shutdown-timeout 1` in its own process, every forward pass slowed to 50 ms or more, so a
+    500-token stream runs 25 s or more: SIGTERM after its first token ends it with an error event."""
+    import signal
+    import subprocess
+    import sys
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-c", SLOW_SERVE, "serve", "--port", str(port), "--shutdown-timeout",
+                             "1", "--log-level", "warning"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for(lambda: proc.poll() is not None or _healthy(base), "allocmoe serve comes up")
+        assert proc.poll() is None, proc.communicate()[0]
+        body = {"prompt": "Once", "max_tokens": 500, "ignore_eos": True, "stream": True}
+        with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=HANG) as r:
+            lines = r.iter_lines()
+            first = next(lines)
+            assert first.startswith("data: ") and '"text"' in first
+            proc.send_signal(signal.SIGTERM)
+            events = [first] + [line for line in lines if line]
+        proc.wait(timeout=HANG)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        out = proc.communicate()[0]
+    assert events[-1] == "data: [DONE]", events[-3:]
+    error = json.loads(events[-2][6:])["error"]
+    assert error["code"] == 503 and "--shutdown-timeout 1" in error["message"], (error, out[-2000:])
+    assert len(events) < 500
+
+
+def _healthy(base: str) -> bool:
+    with contextlib.suppress(httpx.HTTPError):
+        return httpx.get(f"{base}/health", timeout=1).status_code == 200
+    return False
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--plan", "bad name=x.json"], "must be letters, digits"),
     (["--plan", "a=/no/plan.json"], "plan file not found"),
