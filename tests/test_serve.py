@@ -548,6 +548,47 @@ def test_allocmoe_serve_command_serves_its_plans_behind_the_key(tmp_path, setup)
     assert f"serving {MODEL}, {MODEL}@third on http://127.0.0.1:{port}/v1" in out
 
 
+def test_budget_plans_past_the_cap_evict_the_least_recently_used_one_no_request_holds(setup):
+    """Issue 39: 32 budget plans filled the cache for good; every later new budget got 400."""
+    from allocmoe.errors import AllocMoeError
+    from allocmoe.serve.plans import PlanRegistry
+
+    _, profile = setup
+    model, _ = load_model()
+    registry = PlanRegistry(model, MODEL, profile=profile, max_budget_plans=2)
+    try:
+        first, _ = registry.resolve(None, None, 0.3)
+        registry.release(first)
+        held, _ = registry.resolve(None, None, 0.4)
+        index, name = registry.resolve(None, None, 0.5)           # evicts 0.3: unheld and least recently used
+        assert index == first and name == "alloc-moe-B18"
+        assert [n for _, n, _ in registry.model_ids()] == [None, "alloc-moe-B18", "alloc-moe-B14.4"]
+        assert registry.handle.plans[index].budget == pytest.approx(18)
+        with pytest.raises(AllocMoeError, match="in use by running requests"):
+            registry.resolve(None, None, 0.6)                      # both held
+        registry.release(index)
+        assert registry.resolve(None, None, 0.6)[0] == index       # 0.5 was released: its slot goes
+        registry.release(held)
+        again, _ = registry.resolve(None, None, 0.4)               # still there; now the most recent
+        assert again == held
+    finally:
+        registry.close()
+
+
+def test_a_server_with_one_budget_plan_serves_every_budget_each_as_alone(setup, reference):
+    _, profile = setup
+    model, tok = load_model()
+    with serving(create_app(model, tok, ServerConfig(profile=profile, max_budget_plans=1))) as url:
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        for budget in (0.3, 0.5, 0.3):
+            reply = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=6, temperature=0,
+                                              extra_body={"allocmoe": {"budget": budget}})
+            text, spent = alone(reference, PROMPTS[4], allocate(budget, "alloc-moe", profile=profile), 6)
+            assert reply.choices[0].text == text
+            assert reply.usage.model_extra["allocmoe"]["activations_per_token"] == pytest.approx(spent)
+        assert len(client.models.list().data) == 2
+
+
 SLOW_SERVE = """
 import sys, time
 from torch.nn.modules.module import register_module_forward_pre_hook
