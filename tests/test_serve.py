@@ -248,6 +248,19 @@ def test_bad_requests_get_a_4xx_with_openai_error_json(base, body, status, messa
     assert r.status_code == status == error["code"] and message in error["message"], error
 
 
+def test_the_openapi_schema_lists_what_the_server_sends(base):
+    """Issue 39: it listed 200 and 422 (never sent), omitted the 4xx it sends and the stream's type."""
+    schema = httpx.get(f"{base}/openapi.json").json()
+    assert '"422"' not in json.dumps(schema)
+    for path in ("/v1/completions", "/v1/chat/completions"):
+        responses = schema["paths"][path]["post"]["responses"]
+        assert {"200", "400", "401", "404", "408", "413", "503"} <= set(responses)
+        assert set(responses["200"]["content"]) == {"application/json", "text/event-stream"}
+    assert set(schema["paths"]["/metrics"]["get"]["responses"]["200"]["content"]) == {"text/plain"}
+    prompt = schema["components"]["schemas"]["CompletionRequest"]["properties"]["prompt"]["anyOf"]
+    assert {"type": "string", "minLength": 1} in prompt
+
+
 def test_malformed_json_wrong_routes_and_chat_errors_are_4xx_json(base):
     r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "hi"', headers={"content-type": "application/json"})
     assert r.status_code == 400 and "not valid JSON" in r.json()["error"]["message"]

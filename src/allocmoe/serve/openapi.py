@@ -32,6 +32,11 @@ WHY = {400: "bad request: malformed JSON, a wrong or unsupported field, a prompt
        503: "the queue is full, or the server is shutting down (Retry-After)"}
 
 
+# before OpenAPI 3.2 a text/event-stream schema describes each event
+SSE_EVENT = {"type": "object", "required": ["data"],
+             "properties": {"data": {"type": "string", "description": "a chunk's JSON, an error JSON, or [DONE]"}}}
+
+
 def error_responses(*codes: int) -> dict[int | str, dict[str, Any]]:
     return {code: {"model": ErrorResponse, "description": WHY[code]} for code in codes}
 
@@ -40,7 +45,7 @@ def generation_responses(kind: str) -> dict[int | str, dict[str, Any]]:
     ok = {200: {"description": f"a {kind} object (JSON), or with stream=true server-sent events of chunks "
                                "ending in `data: [DONE]`",
                 "content": {"application/json": {"schema": {"type": "object"}},
-                            "text/event-stream": {"schema": {"type": "string"}}}}}
+                            "text/event-stream": {"schema": SSE_EVENT}}}}
     return {**ok, **error_responses(400, 401, 404, 408, 413, 500, 503)}
 
 
