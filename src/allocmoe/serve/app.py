@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine thread.
 
     app = create_app(model, tokenizer, ServerConfig(model_name="allocmoe-builtin", plans={"half": plan}))
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    allocmoe.serve.http.run(app, "127.0.0.1", 8000, HTTPLimits())   # uvicorn, with the limits of http.py
 
 Routes: GET /health, GET /v1/models, GET /metrics, POST /v1/completions, POST /v1/chat/completions.
 A request picks its plan by `"model": "MODEL@NAME"`, by `"allocmoe": {"plan": NAME}`, or by
@@ -10,7 +10,8 @@ A request picks its plan by `"model": "MODEL@NAME"`, by `"allocmoe": {"plan": NA
 The engine runs in its own thread; a request hands it a `Request` whose `on_update` callback pushes
 each settled text piece onto the request's asyncio queue (`call_soon_threadsafe`). Every error a
 client can cause is a 4xx with the OpenAI error JSON; a client that goes away cancels its request,
-which frees its batch slot at the next step.
+which frees its batch slot at the next step (counted 499). Tokenizing and allocating a plan run in
+a thread, never on the event loop.
 """
 
 from __future__ import annotations

@@ -2,8 +2,9 @@
 
 Typed and strict: unknown fields are refused with a 400 that names them (never ignored), wrong
 types are refused rather than coerced, and fields of the OpenAI API that allocmoe does not
-implement are accepted only at their neutral value (`n=1`, no penalties, no logprobs), so a
-client is never silently given something other than what it asked for.
+implement are accepted only at their neutral value (`n=1`, no penalties, no top logprobs), so a
+client is never silently given something other than what it asked for. Text with a lone UTF-16
+surrogate is refused here (no tokenizer takes it).
 """
 
 from __future__ import annotations
