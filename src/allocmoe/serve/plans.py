@@ -51,6 +51,7 @@ class PlanRegistry:
         self.plans: list[Plan] = [full]
         self._by_name: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._allocating = threading.Lock()
         for name, plan in (plans or {}).items():
             if not PLAN_NAME.match(name):
                 raise AllocMoeError(f"plan name {name!r} must be letters, digits, '.', '_' or '-' (at most 64)")
@@ -118,31 +119,43 @@ class PlanRegistry:
             raise AllocMoeError(f"a budget with method {method!r} needs a profile: start the server with "
                                 "--profile PROFILE.json, or name a plan instead")
         name = f"{method}-B{parsed.activations_per_token:g}"
-        with self._lock:          # held while allocating: callers run this off the event loop
+        with self._lock:
             if name in self._budget_lru:
                 self._budget_lru.move_to_end(name)
                 return self._held(self._budget_lru[name], name)
-            victim = None
-            if len(self._budget_lru) >= self.max_budget_plans:
-                victim = next((n for n, i in self._budget_lru.items() if not self._holders.get(i)), None)
-                if victim is None:
-                    raise AllocMoeError(f"all {self.max_budget_plans} plans made for budgets are in use by running "
-                                        "requests; retry shortly, ask for one of those budgets (see GET /v1/models), "
-                                        "or name a plan")
+        with self._allocating:    # one allocation at a time; requests for other plans do not wait on it
+            with self._lock:      # again: the same budget may have been made while this one waited
+                if name in self._budget_lru:
+                    self._budget_lru.move_to_end(name)
+                    return self._held(self._budget_lru[name], name)
+                self._victim()                                  # all slots held: refuse before the work
             plan = per_sequence(allocate(parsed, method, profile=self.profile, model=self.model,
                                          config={"progress": False}))    # no bars in a server's log
-            if victim is None:
-                index = self.handle.add_plan(plan)
-                self.names.append(name)
-                self.plans.append(self.handle.plans[index])
-            else:
-                index = self._budget_lru.pop(victim)
-                del self._by_name[victim]
-                _replace_plan(self.handle, index, plan)
-                self.names[index], self.plans[index] = name, plan
-            self._by_name[name] = index
-            self._budget_lru[name] = index
-            return self._held(index, name)
+            with self._lock:
+                victim = self._victim()
+                if victim is None:
+                    index = self.handle.add_plan(plan)
+                    self.names.append(name)
+                    self.plans.append(self.handle.plans[index])
+                else:
+                    index = self._budget_lru.pop(victim)
+                    del self._by_name[victim]
+                    _replace_plan(self.handle, index, plan)
+                    self.names[index], self.plans[index] = name, plan
+                self._by_name[name] = index
+                self._budget_lru[name] = index
+                return self._held(index, name)
+
+    def _victim(self) -> str | None:
+        """The budget plan a new one replaces (None: there is room); under self._lock."""
+        if len(self._budget_lru) < self.max_budget_plans:
+            return None
+        victim = next((n for n, i in self._budget_lru.items() if not self._holders.get(i)), None)
+        if victim is None:
+            raise AllocMoeError(f"all {self.max_budget_plans} plans made for budgets are in use by running "
+                                "requests; retry shortly, ask for one of those budgets (see GET /v1/models), "
+                                "or name a plan")
+        return victim
 
     def close(self) -> None:
         self.handle.remove()
