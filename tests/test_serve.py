@@ -66,10 +66,15 @@ def setup(reference):
 
 
 @pytest.fixture(scope="module")
-def base(setup):
+def base_app(setup):
     plans, profile = setup
     model, tok = load_model()
-    with serving(create_app(model, tok, ServerConfig(plans=plans, profile=profile))) as url:
+    return create_app(model, tok, ServerConfig(plans=plans, profile=profile))
+
+
+@pytest.fixture(scope="module")
+def base(base_app):
+    with serving(base_app) as url:
         yield url
 
 
@@ -246,6 +251,46 @@ def test_bad_requests_get_a_4xx_with_openai_error_json(base, body, status, messa
     r = httpx.post(f"{base}/v1/completions", content=json.dumps(body), headers={"content-type": "application/json"})
     error = r.json()["error"]
     assert r.status_code == status == error["code"] and message in error["message"], error
+
+
+class Held:
+    """Wraps a callable: each call waits until the test releases it (the test's own hang guard aside)."""
+
+    def __init__(self, inner):
+        self.inner, self.entered, self.release = inner, threading.Event(), threading.Event()
+
+    def __call__(self, *args, **kwargs):
+        self.entered.set()
+        self.release.wait(2 * HANG)
+        return self.inner(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+@pytest.mark.parametrize("held", ["tokenizer", "allocate"])
+def test_tokenizing_and_allocating_a_plan_leave_the_event_loop_free(base, base_app, monkeypatch, held):
+    """Issue 39: a 1 MB prompt froze every client, /health too, while it was tokenized on the event
+    loop; a new budget's plan blocked it 0.2-0.5 s. Each is held here until /health has answered."""
+    import allocmoe.calibrate.methods as methods
+
+    server = base_app.state.server
+    if held == "tokenizer":
+        hold = Held(server.tokenizer)
+        monkeypatch.setattr(server, "tokenizer", hold)
+        body = {"prompt": "Why", "max_tokens": 2}
+    else:
+        hold = Held(methods.allocate)
+        monkeypatch.setattr(methods, "allocate", hold)
+        body = {"prompt": "Why", "max_tokens": 2, "allocmoe": {"budget": 0.45}}
+    with ThreadPoolExecutor(1) as pool:
+        pending = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=2 * HANG)
+        try:
+            assert hold.entered.wait(HANG), "the request never reached the held call"
+            assert httpx.get(f"{base}/health", timeout=HANG).status_code == 200    # the loop is free
+        finally:
+            hold.release.set()
+        assert pending.result().status_code == 200
 
 
 def test_the_openapi_schema_lists_what_the_server_sends(base):
