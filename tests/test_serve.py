@@ -711,6 +711,11 @@ def _healthy(base: str) -> bool:
     (["--host", "no.such.host.invalid"], "is not an address of this machine"),
     (["--api-key", " "], "--api-key is empty"),
     (["--chat-template", "/no/t.jinja"], "chat template file not found"),
+    (["--max-request-bytes", "0"], "--max-request-bytes must be >= 1"),
+    (["--max-connections", "0"], "--max-connections must be >= 1"),
+    (["--request-timeout", "0"], "--request-timeout must be a number of seconds above 0"),
+    (["--timeout-keep-alive", "nan"], "--timeout-keep-alive must be a number of seconds above 0"),
+    (["--shutdown-timeout", "-1"], "--shutdown-timeout must be a number of seconds above 0"),
 ])
 def test_serve_refuses_bad_flags_in_one_line(argv, message, capsys):
     """Port 0 is refused last: a check that is missing fails the test instead of starting a server."""
