@@ -293,6 +293,24 @@ def test_tokenizing_and_allocating_a_plan_leave_the_event_loop_free(base, base_a
         assert pending.result().status_code == 200
 
 
+def test_an_internal_error_is_one_500_json_logged_once_and_the_connection_goes_on(base, base_app, monkeypatch,
+                                                                                  caplog):
+    """Issue 39: a 500 was logged twice (the handler's, then uvicorn's) and reset the connection."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(base_app.state.server.registry, "resolve", broken)
+    connections = []
+    trace = {"trace": lambda name, info: connections.append(name) if name == "connection.connect_tcp.complete" else None}
+    with httpx.Client(base_url=base) as http:
+        r = http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, extensions=trace)
+        assert r.status_code == 500 and r.json()["error"]["message"] == "internal error (RuntimeError); see the server log"
+        monkeypatch.undo()
+        assert http.post("/v1/completions", json={"prompt": "hi", "max_tokens": 1}, extensions=trace).status_code == 200
+    assert len(connections) == 1, "the server closed the connection after the 500"
+    assert len([r for r in caplog.records if "boom" in str(r.exc_info)]) == 1
+
+
 def test_the_openapi_schema_lists_what_the_server_sends(base):
     """Issue 39: it listed 200 and 422 (never sent), omitted the 4xx it sends and the stream's type."""
     schema = httpx.get(f"{base}/openapi.json").json()

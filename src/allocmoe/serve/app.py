@@ -334,11 +334,7 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
     @app.exception_handler(AllocMoeError)
     async def bad_input(_, exc: AllocMoeError):
         return refuse(400, str(exc))
-
-    @app.exception_handler(Exception)
-    async def internal(_, exc: Exception):
-        log.exception("internal error")
-        return refuse(500, f"internal error ({type(exc).__name__}); see the server log")
+    # any other exception: a 500 JSON from http.Guard, logged once
 
 
 def _version() -> str:

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import secrets
 from dataclasses import dataclass
 from typing import Callable
@@ -25,6 +26,7 @@ from uvicorn.protocols.http.h11_impl import H11Protocol
 from .protocol import error_body
 
 MiB = 1 << 20
+log = logging.getLogger("allocmoe.serve")
 
 
 @dataclass(frozen=True)
@@ -61,7 +63,23 @@ class Guard:
             self.on_refuse(refused.status)
             # a body left unread must not be taken for the next request: close the connection
             return await _send_error(send, refused.status, refused.message, close=with_body)
-        await self.app(scope, receive, send)
+        started = False
+
+        async def send_started(message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_started)
+        except Exception as exc:
+            if started:
+                raise
+            # answered here, logged once, the connection kept: Starlette's own 500 handler re-raises,
+            # so uvicorn logged the error a second time and reset the connection
+            log.exception("internal error")
+            self.on_refuse(500)
+            await _send_error(send, 500, f"internal error ({type(exc).__name__}); see the server log", close=False)
 
     def _check_key(self, scope) -> None:
         key = self.api_key()
