@@ -88,15 +88,26 @@ def add_serve_parser(sub) -> None:
                    f"name; {BUILTIN_NAME} for the built-in model)")
     p.add_argument("--num-threads", type=int, default=None, help="torch threads for the model (default: the "
                    "CPU count less one, leaving a core to the HTTP loop)")
+    p.add_argument("--max-request-bytes", type=int, default=4 << 20, help="a larger request body gets 413, "
+                   "unread (default 4 MiB)")
+    p.add_argument("--request-timeout", type=float, default=30.0, help="seconds a client has to send a "
+                   "request's headers, and again its body; a slower one is cut off (408) (default 30)")
+    p.add_argument("--timeout-keep-alive", type=float, default=5.0, help="seconds an idle kept-alive "
+                   "connection stays open (default 5)")
+    p.add_argument("--max-connections", type=int, default=256, help="open connections at most; one more "
+                   "gets 503 and is closed (default 256)")
+    p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGTERM, seconds running "
+                   "generations get to finish before they end with an error (default 10)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
 
 
 def cmd_serve(args) -> None:
     try:
-        import uvicorn
+        import uvicorn  # noqa: F401
 
         from ..serve.app import ServerConfig, create_app
+        from ..serve.http import HTTPLimits, run
     except ImportError as exc:
         raise AllocMoeError(f"allocmoe serve needs the serve extra ({exc.name} is missing): "
                             "pip install 'allocmoe[serve]'") from None
@@ -110,6 +121,14 @@ def cmd_serve(args) -> None:
                         ("--max-model-len", args.max_model_len)):
         if value is not None and value < 1:
             raise AllocMoeError(f"{name} must be >= 1, got {value}; give 1 or more")
+    for name, value in (("--max-request-bytes", args.max_request_bytes),
+                        ("--max-connections", args.max_connections)):
+        if value < 1:
+            raise AllocMoeError(f"{name} must be >= 1, got {value}; give 1 or more")
+    for name, value in (("--request-timeout", args.request_timeout), ("--timeout-keep-alive", args.timeout_keep_alive),
+                        ("--shutdown-timeout", args.shutdown_timeout)):
+        if not value > 0 or value == float("inf"):
+            raise AllocMoeError(f"{name} must be a number of seconds above 0, got {value}; give e.g. 10")
     if args.max_queue < 0:
         raise AllocMoeError(f"--max-queue must be >= 0, got {args.max_queue}; give 0 or more")
     if args.api_key is not None and not args.api_key.strip():
@@ -131,7 +150,12 @@ def cmd_serve(args) -> None:
     name = args.served_model_name or (BUILTIN_NAME if args.model in (None, "builtin") else Path(args.model).resolve().name)
     config = ServerConfig(model_name=name, plans=plans, profile=profile, max_batch_size=args.max_batch_size,
                           max_queue=args.max_queue, api_key=args.api_key, chat_template=template,
-                          max_model_len=args.max_model_len)
+                          max_model_len=args.max_model_len,
+                          limits=HTTPLimits(max_request_bytes=args.max_request_bytes,
+                                            request_timeout=args.request_timeout,
+                                            timeout_keep_alive=args.timeout_keep_alive,
+                                            max_connections=args.max_connections,
+                                            shutdown_timeout=args.shutdown_timeout))
     app = create_app(model, tok, config)
     ids = ", ".join([name] + [f"{name}@{n}" for n in plans])
     print(f"allocmoe: serving {ids} on http://{args.host}:{args.port}/v1"
@@ -139,7 +163,7 @@ def cmd_serve(args) -> None:
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"allocmoe: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)
+    run(app, args.host, args.port, config.limits, args.log_level)
 
 
 def _set_threads(num_threads: int | None) -> None:

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP server: FastAPI routes over one engine thread.
 
     app = create_app(model, tokenizer, ServerConfig(model_name="allocmoe-builtin", plans={"half": plan}))
-    uvicorn.run(app, host="127.0.0.1", port=8000)
+    allocmoe.serve.http.run(app, "127.0.0.1", 8000, HTTPLimits())   # uvicorn, with the limits of http.py
 
 Routes: GET /health, GET /v1/models, GET /metrics, POST /v1/completions, POST /v1/chat/completions.
 A request picks its plan by `"model": "MODEL@NAME"`, by `"allocmoe": {"plan": NAME}`, or by
@@ -10,7 +10,8 @@ A request picks its plan by `"model": "MODEL@NAME"`, by `"allocmoe": {"plan": NA
 The engine runs in its own thread; a request hands it a `Request` whose `on_update` callback pushes
 each settled text piece onto the request's asyncio queue (`call_soon_threadsafe`). Every error a
 client can cause is a 4xx with the OpenAI error JSON; a client that goes away cancels its request,
-which frees its batch slot at the next step.
+which frees its batch slot at the next step (counted 499). Tokenizing and allocating a plan run in
+a thread, never on the event loop.
 """
 
 from __future__ import annotations
@@ -18,30 +19,32 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
-import secrets
 import threading
 import time
-import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import AllocMoeError
 from ..core.plan import Plan
 from .engine import Engine, QueueFull, Request
+from .http import Guard, HTTPLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
+from .openapi import error_responses, METRICS_RESPONSES, generation_responses, tidy_openapi
 from .plans import PlanRegistry, UnknownPlan
-from .prompts import chat_prompt_ids, check_token_ids, text_prompt_ids
+from .prompts import chat_prompt_ids, check_token_ids, longest_token, text_prompt_ids
 from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_errors, error_body
+from .replies import Reply, sse
 from .sampling import SamplingParams
 
 log = logging.getLogger("allocmoe.serve")
-DISCONNECT_POLL_S = 0.5          # how often a waiting non-streaming request checks its client is still there
 
 
 @dataclass
@@ -54,7 +57,8 @@ class ServerConfig:
     api_key: str | None = None                      # when set, /v1 routes need `Authorization: Bearer KEY`
     chat_template: str | None = None                # Jinja text overriding the tokenizer's chat template
     max_model_len: int | None = None                # prompt + new tokens at most (default: the model's context)
-    max_budget_plans: int = 32                      # distinct on-the-fly budgets kept (each is a plan in memory)
+    max_budget_plans: int = 32                      # on-the-fly budget plans kept (least recently used go first)
+    limits: HTTPLimits = field(default_factory=HTTPLimits)   # body size, timeouts, connections, shutdown
 
 
 class Server:
@@ -71,15 +75,34 @@ class Server:
         except BaseException:
             self.registry.close()
             raise
+        longest_token(tokenizer)                    # computed once, here, not in the first request
         self.metrics.full_activations.set(self.registry.full_budget)
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
+        self._deadline: threading.Timer | None = None
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.engine.serve_forever, name="allocmoe-engine", daemon=True)
         self._thread.start()
 
+    def begin_shutdown(self) -> None:
+        """SIGTERM: refuse new requests now; fail what still runs after `shutdown_timeout` seconds, so
+        every open stream ends with an error event instead of holding the shutdown up."""
+        if self._deadline is not None:
+            return
+        timeout = self.config.limits.shutdown_timeout
+        running, waiting = self.engine.load()
+        log.info("shutting down: %d running, %d waiting requests get %g s to finish", running, waiting, timeout)
+        self.engine.drain()
+        self._deadline = threading.Timer(timeout, self.engine.abort, (
+            f"the server shut down before this generation finished (--shutdown-timeout {timeout:g} s); "
+            "send the request again",))
+        self._deadline.daemon = True
+        self._deadline.start()
+
     def close(self) -> None:
+        if self._deadline is not None:
+            self._deadline.cancel()
         self.engine.stop()
         if self._thread is not None:
             self._thread.join(timeout=30)
@@ -101,27 +124,18 @@ def create_app(model, tokenizer, config: ServerConfig | None = None) -> FastAPI:
                   description="OpenAI-compatible completions with a per-request activation budget.")
     app.state.server = server
     _add_error_handlers(app, server)
-
-    @app.middleware("http")
-    async def check_api_key(request: HTTPRequest, call_next):
-        key = server.config.api_key
-        if key and request.url.path.startswith("/v1"):
-            given = request.headers.get("authorization", "")
-            if not secrets.compare_digest(given.encode(), f"Bearer {key}".encode()):
-                server.metrics.requests.labels("none", "401").inc()
-                return JSONResponse(error_body(401, "missing or wrong API key: send 'Authorization: Bearer KEY'"),
-                                    status_code=401)
-        return await call_next(request)
+    app.add_middleware(Guard, limits=server.config.limits, api_key=lambda: server.config.api_key,
+                       on_refuse=lambda status: server.metrics.requests.labels("none", str(status)).inc())
 
     @app.get("/health")
     async def health() -> dict[str, str]:
         return {"status": "ok"}
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses=METRICS_RESPONSES)
     async def metrics() -> Response:
         return Response(server.metrics.render(*server.engine.load()), media_type=CONTENT_TYPE)
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", responses=error_responses(401))
     async def models() -> dict[str, Any]:
         data = [{"id": model_id, "object": "model", "created": server.created, "owned_by": "allocmoe",
                  "root": server.config.model_name, "parent": None if name is None else server.config.model_name,
@@ -131,15 +145,17 @@ def create_app(model, tokenizer, config: ServerConfig | None = None) -> FastAPI:
                 for model_id, name, plan in server.registry.model_ids()]
         return {"object": "list", "data": data}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", responses=generation_responses("text_completion"))
     async def completions(body: CompletionRequest, raw: HTTPRequest):
-        return await _generate(server, raw, body, _completion_prompt(server, body), chat=False)
+        return await _generate(server, raw, body, lambda: _completion_prompt(server, body), chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", responses=generation_responses("chat.completion"))
     async def chat_completions(body: ChatCompletionRequest, raw: HTTPRequest):
-        ids = chat_prompt_ids(server.tokenizer, body.chat_messages(), server.config.chat_template)
-        return await _generate(server, raw, body, ids, chat=True)
+        return await _generate(server, raw, body, lambda: chat_prompt_ids(
+            server.tokenizer, body.chat_messages(), server.config.chat_template, server.engine.context_len),
+            chat=True)
 
+    tidy_openapi(app)
     return app
 
 
@@ -157,116 +173,114 @@ class _Updates:
         except RuntimeError:                                 # the loop is gone (server shutting down)
             pass
 
+    async def text(self) -> str:
+        """Every piece, joined, once the request has finished."""
+        parts = []
+        while True:
+            piece, done = await self.queue.get()
+            parts.append(piece)
+            if done:
+                return "".join(parts)
 
-async def _generate(server: Server, raw: HTTPRequest, body, prompt_ids: list[int], chat: bool):
+
+async def _generate(server: Server, raw: HTTPRequest, body, prompt, chat: bool):
     unsupported = body.unsupported()
     if unsupported:
         raise AllocMoeError(f"unsupported: {', '.join(unsupported)} (allocmoe implements one choice, no "
-                            "penalties, no logprobs); remove them")
+                            "penalties, no top logprobs); remove them")
+    # off the event loop: tokenizing a long prompt, and allocating a plan for a new budget, take
+    # long enough to stall every other client (issue 39: 2.3 s for a 1 MB prompt, 0.2-0.5 s a plan)
+    prompt_ids = await run_in_threadpool(prompt)
     opts = body.allocmoe
-    index, plan_name = server.registry.resolve(body.model, opts and opts.plan, opts and opts.budget,
-                                               opts.method if opts else "alloc-moe")
-    limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    room = server.engine.context_len - len(prompt_ids)
-    params = SamplingParams(max_new_tokens=limit if limit is not None else max(room, 1),
-                            temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                            stop=body.stop_strings(), ignore_eos=body.ignore_eos)
-    updates = _Updates(asyncio.get_running_loop())
-    request = server.engine.submit(Request(prompt_ids, params, plan_index=index, on_update=updates))
+    index, plan_name = await run_in_threadpool(server.registry.resolve, body.model, opts and opts.plan,
+                                               opts and opts.budget, opts.method if opts else "alloc-moe")
+    try:
+        limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+        room = server.engine.context_len - len(prompt_ids)
+        params = SamplingParams(max_new_tokens=limit if limit is not None else max(room, 1),
+                                temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                                stop=body.stop_strings(), ignore_eos=body.ignore_eos,
+                                logprobs=body.wants_logprobs())
+        updates = _Updates(asyncio.get_running_loop())
+        request = server.engine.submit(Request(prompt_ids, params, plan_index=index, on_update=updates))
+    except BaseException:
+        server.registry.release(index)
+        raise
     model_id = server.config.model_name if plan_name is None else f"{server.config.model_name}@{plan_name}"
-    reply = _Reply(chat, model_id, server.registry.full_budget, plan_name)
+    reply = Reply(chat, model_id, server.registry.full_budget, plan_name, server.tokenizer)
+    ended = False
+
+    def end(status: str) -> None:          # once per request, whichever way it ends
+        nonlocal ended
+        if ended:
+            return
+        ended = True
+        if not request.finished:
+            server.engine.cancel(request)
+        server.registry.release(index)
+        if status == "499":
+            log.info("%s: the client went away; cancelled after %d tokens (499)", request.id, len(request.generated))
+        _record(server, request, plan_name, status)
+
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(_stream(server, request, updates, reply, include_usage),
-                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
-    text = []
-    while True:
-        try:
-            piece, done = await asyncio.wait_for(updates.queue.get(), DISCONNECT_POLL_S)
-        except asyncio.TimeoutError:
-            if await raw.is_disconnected():
-                server.engine.cancel(request)
-                _record(server, request, plan_name, "499")
-                return Response(status_code=499)
-            continue
-        text.append(piece)
-        if done:
-            break
-    if request.finish_reason == "error":
-        _record(server, request, plan_name, "500")
-        log.error("generation failed: %s", request.error)
-        return JSONResponse(error_body(500, f"generation failed: {request.error}"), status_code=500)
-    _record(server, request, plan_name, "200")
-    return reply.whole("".join(text), request)
+        # the background task ends a stream whose generator never started (a client gone at once)
+        return StreamingResponse(_stream(server, request, updates, reply, include_usage, end),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"},
+                                 background=BackgroundTask(end, "499"))
+    status = "499"                         # until the reply is made: the client went away
+    try:
+        text = await _unless_disconnected(updates.text(), raw)
+        if text is None:
+            return Response(status_code=499)
+        if request.finish_reason == "error":
+            status = "503" if server.engine.draining else "500"
+            log.error("%s: generation failed: %s", request.id, request.error)
+            return JSONResponse(error_body(int(status), f"generation failed: {request.error}"), status_code=int(status))
+        status = "200"
+        return reply.whole(text, request)
+    finally:
+        end(status)
 
 
-async def _stream(server: Server, request: Request, updates: _Updates, reply: "_Reply",
-                  include_usage: bool) -> AsyncIterator[str]:
+async def _unless_disconnected(work, raw: HTTPRequest):
+    """`await work`, unless the client disconnects first: then None (and `work` is cancelled)."""
+    async def disconnected():
+        while (await raw.receive())["type"] != "http.disconnect":
+            pass
+
+    task, watch = asyncio.ensure_future(work), asyncio.ensure_future(disconnected())
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for t in (task, watch):
+            t.cancel()
+    return task.result() if task.done() and not task.cancelled() else None
+
+
+async def _stream(server: Server, request: Request, updates: _Updates, reply: Reply, include_usage: bool,
+                  end) -> AsyncIterator[str]:
     status = "499"                         # until the stream ends normally: the client went away
     try:
         if reply.chat:
-            yield _sse(reply.chunk({"role": "assistant", "content": ""}, None))
+            yield sse(reply.chunk({"role": "assistant", "content": ""}, None))
         while True:
             piece, done = await updates.queue.get()
             if piece:
-                yield _sse(reply.chunk(piece, None))
+                yield sse(reply.chunk(piece, None))
             if done:
                 break
         if request.finish_reason == "error":
-            status = "500"
-            yield _sse(error_body(500, f"generation failed: {request.error}"))
+            status = "503" if server.engine.draining else "500"
+            yield sse(error_body(int(status), f"generation failed: {request.error}"))
         else:
             status = "200"
-            yield _sse(reply.chunk("" if not reply.chat else {}, request.finish_reason))
+            yield sse(reply.chunk("" if not reply.chat else {}, request.finish_reason))
             if include_usage:
-                yield _sse({**reply.head("chunk"), "choices": [], "usage": reply.usage(request)})
+                yield sse({**reply.head("chunk"), "choices": [], "usage": reply.usage(request)})
         yield "data: [DONE]\n\n"
     finally:
-        if not request.finished:
-            server.engine.cancel(request)
-        _record(server, request, reply.plan_name, status)
-
-
-class _Reply:
-    """The OpenAI response shapes of one request (completion or chat; whole or chunked)."""
-
-    def __init__(self, chat: bool, model_id: str, full: float, plan_name: str | None):
-        self.chat, self.model_id, self.full, self.plan_name = chat, model_id, full, plan_name
-        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        self.created = int(time.time())
-
-    def head(self, kind: str) -> dict[str, Any]:
-        obj = {"whole": "chat.completion", "chunk": "chat.completion.chunk"}[kind] if self.chat else "text_completion"
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model_id}
-
-    def usage(self, request: Request) -> dict[str, Any]:
-        new = len(request.generated)
-        return {"prompt_tokens": len(request.prompt_ids), "completion_tokens": new,
-                "total_tokens": len(request.prompt_ids) + new,
-                "allocmoe": {"plan": self.plan_name or "full",
-                             "activations_per_token": request.activations_per_token(),
-                             "full_activations_per_token": self.full,
-                             "prefill_activations_per_token": request.activations_per_token("prefill"),
-                             "decode_activations_per_token": request.activations_per_token("decode")}}
-
-    def whole(self, text: str, request: Request) -> dict[str, Any]:
-        choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
-                  else {"index": 0, "text": text})
-        choice.update(logprobs=None, finish_reason=request.finish_reason)
-        return {**self.head("whole"), "choices": [choice], "usage": self.usage(request)}
-
-    def chunk(self, piece: str | dict, finish_reason: str | None) -> dict[str, Any]:
-        if self.chat:
-            delta = piece if isinstance(piece, dict) else {"content": piece}
-            choice = {"index": 0, "delta": delta}
-        else:
-            choice = {"index": 0, "text": piece}
-        choice.update(logprobs=None, finish_reason=finish_reason)
-        return {**self.head("chunk"), "choices": [choice]}
-
-
-def _sse(obj: dict[str, Any]) -> str:
-    return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+        end(status)
 
 
 def _record(server: Server, request: Request, plan_name: str | None, status: str) -> None:
@@ -287,7 +301,9 @@ def _completion_prompt(server: Server, body: CompletionRequest) -> list[int]:
             raise AllocMoeError(f"prompt holds {len(prompt)} prompts; send one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return text_prompt_ids(server.tokenizer, prompt)
+        return text_prompt_ids(server.tokenizer, prompt, max_tokens=server.engine.context_len)
+    if len(prompt) >= server.engine.context_len:
+        server.engine.check_fits(len(prompt), 1)        # the context's own message, before checking each id
     return check_token_ids(list(prompt), int(server.model.config.vocab_size))
 
 
@@ -318,11 +334,7 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
     @app.exception_handler(AllocMoeError)
     async def bad_input(_, exc: AllocMoeError):
         return refuse(400, str(exc))
-
-    @app.exception_handler(Exception)
-    async def internal(_, exc: Exception):
-        log.exception("internal error")
-        return refuse(500, f"internal error ({type(exc).__name__}); see the server log")
+    # any other exception: a 500 JSON from http.Guard, logged once
 
 
 def _version() -> str:

@@ -41,7 +41,11 @@ from .text import IncrementalText
 
 
 class QueueFull(AllocMoeError):
-    """The waiting queue holds `max_queue` requests already."""
+    """The waiting queue holds `max_queue` requests already (HTTP 503)."""
+
+
+class ShuttingDown(QueueFull):
+    """The server is draining for shutdown and takes no new requests (HTTP 503)."""
 
 
 @dataclass
@@ -55,6 +59,7 @@ class Request:
     text: IncrementalText | None = None
     generator: torch.Generator | None = field(default=None, repr=False)   # this request's sampling stream
     generated: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)    # of each generated token, when params.logprobs
     finish_reason: str | None = None            # "stop" | "length" | "cancelled" | "error"
     error: str | None = None
     cancelled: bool = False
@@ -117,6 +122,8 @@ class Engine:
         self._mask: torch.Tensor | None = None   # [B, L] 1 = real token
         self._lock = threading.Condition()
         self._stopping = False
+        self._draining = False
+        self._abort: str | None = None          # set: fail every request with this message at the next step
         self._ids = itertools.count()
 
     # -- submitting (any thread) -------------------------------------------------------------
@@ -134,6 +141,8 @@ class Engine:
     def submit(self, request: Request) -> Request:
         self.check_fits(len(request.prompt_ids), request.params.max_new_tokens)
         with self._lock:
+            if self._draining:
+                raise ShuttingDown("the server is shutting down; retry on another server or later")
             free_slots = max(0, self.max_batch_size - len(self._rows))
             if len(self._waiting) >= self.max_queue + free_slots:
                 raise QueueFull(f"the queue is full ({self.max_queue} waiting); retry later")
@@ -149,6 +158,21 @@ class Engine:
         """Stop generating for `request` (a client went away); its slot frees at the next step."""
         with self._lock:
             request.cancelled = True
+            self._lock.notify_all()
+
+    def drain(self) -> None:
+        """Take no new requests (503); the running and waiting ones go on."""
+        with self._lock:
+            self._draining = True
+
+    @property
+    def draining(self) -> bool:
+        return self._draining
+
+    def abort(self, message: str) -> None:
+        """Fail every running and waiting request with `message` at the next step (shutdown deadline)."""
+        with self._lock:
+            self._draining, self._abort = True, message
             self._lock.notify_all()
 
     def load(self) -> tuple[int, int]:
@@ -178,6 +202,9 @@ class Engine:
     @torch.no_grad()
     def step(self) -> None:
         try:
+            if self._abort is not None:
+                self._fail_all(self._abort)
+                return
             self._drop_cancelled()
             admitted = self._admit()
             if admitted:
@@ -267,12 +294,15 @@ class Engine:
             if request.finished:
                 continue
             token = next_token(logits[row], request.params, request.generator)
+            logprob = float(torch.log_softmax(logits[row].float(), -1)[token]) if request.params.logprobs else None
             request.times.setdefault("first_token", now)
             reason = None
             if token in self.eos_ids and not request.params.ignore_eos:
                 reason = "stop"
             else:
                 request.generated.append(token)
+                if logprob is not None:
+                    request.logprobs.append(logprob)
                 request.text.add(token)
                 if request.text.stopped:
                     reason = "stop"

@@ -3,16 +3,22 @@ allocated on the fly for a requested budget (from a profile, by the exact solver
 
 Model ids follow `MODEL@NAME`. Alloc-T layers pool per sequence here: a batch-wide pool would let
 one request's tokens take another request's activations.
+
+At most `max_budget_plans` budget plans are kept: a new budget past that evicts the least recently
+used one that no request holds (`resolve` holds a plan until `release`), reusing its slot in the
+handle, so one client asking for many budgets cannot lock later clients out.
 """
 
 from __future__ import annotations
 
 import re
 import threading
+from collections import OrderedDict
 from dataclasses import replace
 from typing import Any
 
 from ..routing.apply import PlanHandle, apply_plans, static_plan
+from ..routing.substitute import layer_substitute
 from ..core.budget import Budget
 from ..errors import AllocMoeError
 from ..core.plan import Plan, model_fingerprint
@@ -34,7 +40,9 @@ class PlanRegistry:
     def __init__(self, model, model_name: str, plans: dict[str, Plan] | None = None,
                  profile: dict[str, Any] | None = None, max_budget_plans: int = 32):
         self.model, self.model_name, self.profile = model, model_name, profile
-        self.max_budget_plans, self._budget_plans = max_budget_plans, 0
+        self.max_budget_plans = max_budget_plans
+        self._budget_lru: OrderedDict[str, int] = OrderedDict()   # budget plan name -> index, oldest use first
+        self._holders: dict[int, int] = {}                        # index -> requests holding it
         fingerprint = model_fingerprint(model)
         self.num_layers, self.k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
         self.full_budget = float(self.num_layers * self.k_orig)
@@ -43,6 +51,7 @@ class PlanRegistry:
         self.plans: list[Plan] = [full]
         self._by_name: dict[str, int] = {}
         self._lock = threading.Lock()
+        self._allocating = threading.Lock()
         for name, plan in (plans or {}).items():
             if not PLAN_NAME.match(name):
                 raise AllocMoeError(f"plan name {name!r} must be letters, digits, '.', '_' or '-' (at most 64)")
@@ -77,12 +86,28 @@ class PlanRegistry:
         if budget is not None:
             return self._for_budget(budget, method)
         if name is None:
-            return 0, None
+            with self._lock:
+                return self._held(0, None)
         with self._lock:
             if name not in self._by_name:
                 known = ", ".join(sorted(self._by_name)) or "none"
                 raise UnknownPlan(f"no plan named {name!r} on this server (plans: {known}); see GET /v1/models")
-            return self._by_name[name], name
+            if name in self._budget_lru:
+                self._budget_lru.move_to_end(name)
+            return self._held(self._by_name[name], name)
+
+    def release(self, index: int) -> None:
+        """A request that `resolve` gave `index` has finished with it."""
+        with self._lock:
+            left = self._holders.get(index, 0) - 1
+            if left > 0:
+                self._holders[index] = left
+            else:
+                self._holders.pop(index, None)
+
+    def _held(self, index: int, name: str | None) -> tuple[int, str | None]:
+        self._holders[index] = self._holders.get(index, 0) + 1     # under self._lock
+        return index, name
 
     def _for_budget(self, budget: float | str, method: str) -> tuple[int, str]:
         from ..calibrate.methods import PROFILE_METHODS, allocate
@@ -95,19 +120,55 @@ class PlanRegistry:
                                 "--profile PROFILE.json, or name a plan instead")
         name = f"{method}-B{parsed.activations_per_token:g}"
         with self._lock:
-            if name in self._by_name:
-                return self._by_name[name], name
-            if self._budget_plans >= self.max_budget_plans:
-                raise AllocMoeError(f"this server already holds {self.max_budget_plans} plans made for budgets; "
-                                    "ask for one of those budgets (see GET /v1/models) or name a plan")
-            plan = allocate(parsed, method, profile=self.profile, model=self.model,
-                            config={"progress": False})    # no bars in a server's log
-            index = self.handle.add_plan(per_sequence(plan))
-            self._by_name[name] = index
-            self._budget_plans += 1
-            self.names.append(name)
-            self.plans.append(self.handle.plans[index])
-            return index, name
+            if name in self._budget_lru:
+                self._budget_lru.move_to_end(name)
+                return self._held(self._budget_lru[name], name)
+        with self._allocating:    # one allocation at a time; requests for other plans do not wait on it
+            with self._lock:      # again: the same budget may have been made while this one waited
+                if name in self._budget_lru:
+                    self._budget_lru.move_to_end(name)
+                    return self._held(self._budget_lru[name], name)
+                self._victim()                                  # all slots held: refuse before the work
+            plan = per_sequence(allocate(parsed, method, profile=self.profile, model=self.model,
+                                         config={"progress": False}))    # no bars in a server's log
+            with self._lock:
+                victim = self._victim()
+                if victim is None:
+                    index = self.handle.add_plan(plan)
+                    self.names.append(name)
+                    self.plans.append(self.handle.plans[index])
+                else:
+                    index = self._budget_lru.pop(victim)
+                    del self._by_name[victim]
+                    _replace_plan(self.handle, index, plan)
+                    self.names[index], self.plans[index] = name, plan
+                self._by_name[name] = index
+                self._budget_lru[name] = index
+                return self._held(index, name)
+
+    def _victim(self) -> str | None:
+        """The budget plan a new one replaces (None: there is room); under self._lock."""
+        if len(self._budget_lru) < self.max_budget_plans:
+            return None
+        victim = next((n for n, i in self._budget_lru.items() if not self._holders.get(i)), None)
+        if victim is None:
+            raise AllocMoeError(f"all {self.max_budget_plans} plans made for budgets are in use by running "
+                                "requests; retry shortly, ask for one of those budgets (see GET /v1/models), "
+                                "or name a plan")
+        return victim
 
     def close(self) -> None:
         self.handle.remove()
+
+
+def _replace_plan(handle: PlanHandle, index: int, plan: Plan) -> None:
+    """Install `plan` in slot `index` of `handle`, in place of a plan no request holds: what
+    `PlanHandle.add_plan` does, at an old index (apply.py has no such method yet)."""
+    plan.check_model(handle.model)
+    for layer in handle._layers:
+        plan.layers[layer.index].check(handle._k_orig)
+    added = {layer.index: layer_substitute(plan, layer) for layer in handle._layers}
+    for layer in handle._layers:
+        handle._policies[layer.index][index] = plan.layers[layer.index]
+        handle._means[layer.index][index] = added[layer.index]
+    handle.plans[index] = plan

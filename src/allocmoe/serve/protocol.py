@@ -2,27 +2,50 @@
 
 Typed and strict: unknown fields are refused with a 400 that names them (never ignored), wrong
 types are refused rather than coerced, and fields of the OpenAI API that allocmoe does not
-implement are accepted only at their neutral value (`n=1`, no penalties, no logprobs), so a
-client is never silently given something other than what it asked for.
+implement are accepted only at their neutral value (`n=1`, no penalties, no top logprobs), so a
+client is never silently given something other than what it asked for. Text with a lone UTF-16
+surrogate is refused here (no tokenizer takes it).
 """
 
 from __future__ import annotations
 
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
 from ..errors import AllocMoeError
 
 MAX_STOP = 16
 ON_THE_FLY_METHODS = ("alloc-moe", "alloc-l", "alloc-t", "uniform", "ascending", "descending")
-# OpenAI fields allocmoe does not implement, with the one value it accepts for each
-NEUTRAL = {"n": 1, "presence_penalty": 0.0, "frequency_penalty": 0.0, "logprobs": None, "top_logprobs": None,
-           "echo": False, "best_of": None, "suffix": None, "logit_bias": None}
+# OpenAI fields allocmoe does not implement, with the values it accepts for each (logprobs: see below)
+NEUTRAL = {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "echo": (False,),
+           "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {})}
 
 
-def _neutral(value: Any, neutral: Any) -> bool:
-    return value == neutral or (neutral is None and value in (False, {}))
+def _neutral(value: Any, neutral: tuple) -> bool:
+    # a bool matches only itself: `0 in (False, {})` is true in Python, and once hid `logprobs: 0`
+    return any(value is n or (not isinstance(value, bool) and not isinstance(n, bool) and value == n)
+               for n in neutral)
+
+
+SURROGATE = "the text holds a lone UTF-16 surrogate; send well-formed Unicode (pair each surrogate or drop it)"
+
+
+def _well_formed(text: str) -> str:
+    """Refuse a lone UTF-16 surrogate ("\\ud800" in JSON): no tokenizer or UTF-8 encoder takes it.
+    (pydantic refuses most of them first, as `string_unicode`; this catches the rest.)"""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(SURROGATE) from None
+    return text
+
+
+Text = Annotated[str, AfterValidator(_well_formed)]
+Prompt = Annotated[str, Field(min_length=1), AfterValidator(_well_formed)]
+TokenIds = Annotated[list[Annotated[int, Field(json_schema_extra={"minimum": 0})]], Field(min_length=1)]
+Stop = Annotated[str, AfterValidator(_well_formed), Field(json_schema_extra={"minLength": 1})]  # server's message
+ONE = {"maxItems": 1}           # in the schema; the server refuses more with its own message
 
 
 class _Strict(BaseModel):
@@ -31,8 +54,8 @@ class _Strict(BaseModel):
 
 class AllocMoeOptions(_Strict):
     """The `allocmoe` extension field: which plan routes this request."""
-    plan: str | None = Field(None, description="a plan the server was started with (--plan NAME=FILE)")
-    budget: float | str | None = Field(None, description="allocate a plan for this budget from --profile: "
+    plan: Text | None = Field(None, description="a plan the server was started with (--plan NAME=FILE)")
+    budget: float | Text | None = Field(None, description="allocate a plan for this budget from --profile: "
                                        "a fraction (0.5, '1/2', '50%') or a count of activations per token")
     method: Literal[ON_THE_FLY_METHODS] = Field("alloc-moe", description="allocation method for `budget`")  # type: ignore[valid-type]
 
@@ -42,27 +65,46 @@ class StreamOptions(_Strict):
 
 
 class _Sampling(_Strict):
-    model: str | None = Field(None, description="MODEL, or MODEL@PLAN to pick a plan")
+    model: Text | None = Field(None, description="MODEL, or MODEL@PLAN to pick a plan")
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the rest of the context)")
     temperature: float = Field(1.0, ge=0, le=100)
     top_p: float = Field(1.0, gt=0, le=1)
     seed: int | None = Field(None, ge=-(2**63), le=2**64 - 1)
-    stop: str | list[str] | None = Field(None, description="up to 16 stop strings")
+    stop: Stop | Annotated[list[Stop], Field(json_schema_extra={"maxItems": MAX_STOP})] | None = Field(
+        None, description="up to 16 stop strings")
     stream: bool = False
     stream_options: StreamOptions | None = None
     ignore_eos: bool = Field(False, description="vLLM's extension: keep generating past end-of-text")
-    user: str | None = None
-    n: int = 1
+    user: Text | None = None
+    n: int = Field(1, ge=1, json_schema_extra={"maximum": 1})
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[Text, float] | None = None
     allocmoe: AllocMoeOptions | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self):
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options applies only with stream: true; set stream or drop stream_options")
+        return self
 
     def unsupported(self) -> list[str]:
         """Fields set to something allocmoe does not implement."""
         values = self.model_dump()
-        return [f"{name}={values[name]!r}" for name, neutral in NEUTRAL.items()
-                if name in values and not _neutral(values[name], neutral)]
+        found = [f"{name}={values[name]!r}" for name, neutral in NEUTRAL.items()
+                 if name in values and not _neutral(values[name], neutral)]
+        if self.top_alternatives():
+            found.append(f"{'logprobs' if isinstance(self, CompletionRequest) else 'top_logprobs'}="
+                         f"{self.top_alternatives()} (top alternatives; ask for 0)")
+        if self.stream and self.wants_logprobs():
+            found.append("logprobs with stream=true (ask for logprobs without streaming)")
+        return found
+
+    def wants_logprobs(self) -> bool:
+        return False
+
+    def top_alternatives(self) -> int:
+        return 0
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -74,64 +116,115 @@ class _Sampling(_Strict):
 
 
 class CompletionRequest(_Sampling):
-    prompt: str | list[int] | list[str] | list[list[int]] = Field(
+    prompt: Prompt | TokenIds | Annotated[list[Prompt], Field(min_length=1, json_schema_extra=ONE)] | \
+        Annotated[list[TokenIds], Field(min_length=1, json_schema_extra=ONE)] = Field(
         ..., description="one prompt: text or token ids (a list of several prompts is refused)")
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
+    logprobs: int | None = Field(None, ge=0, json_schema_extra={"maximum": 0},
+                                 description="0: each new token's log-probability (no top alternatives)")
+    best_of: int | None = Field(None, ge=1, json_schema_extra={"maximum": 1})
+    suffix: Text | None = None
+
+    def wants_logprobs(self) -> bool:
+        return self.logprobs is not None
+
+    def top_alternatives(self) -> int:
+        return self.logprobs or 0
 
 
 class TextPart(_Strict):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
+    content: Text | list[TextPart] | None = None
+    name: Text | None = Field(None, description="the speaker's name, passed to the chat template (as vLLM does)")
 
 
 class ChatCompletionRequest(_Sampling):
     messages: list[ChatMessage] = Field(..., min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
+    logprobs: bool | None = Field(None, description="true: each new token's log-probability")
+    top_logprobs: int | None = Field(None, ge=0, json_schema_extra={"maximum": 0},
+                                     description="0 only: top alternatives are not implemented")
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self):
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs: true; set it or drop top_logprobs")
+        return self
+
+    def wants_logprobs(self) -> bool:
+        return bool(self.logprobs)
+
+    def top_alternatives(self) -> int:
+        return self.top_logprobs or 0
 
     def chat_messages(self) -> list[dict[str, Any]]:
         out = []
         for m in self.messages:
             content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
-            out.append({"role": m.role, "content": content or ""})
+            message = {"role": m.role, "content": content or ""}
+            if m.name is not None:
+                message["name"] = m.name          # as vLLM: the template decides what to do with it
+            out.append(message)
         return out
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-               413: "RequestTooLarge", 415: "UnsupportedMediaType", 422: "BadRequestError", 429: "RateLimitError",
+               408: "RequestTimeout", 413: "RequestTooLarge", 415: "UnsupportedMediaType", 422: "BadRequestError", 429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
-    """The error JSON of vLLM's and OpenAI's servers, which the openai client reads."""
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "Error"), "param": param, "code": status}}
+    """The error JSON of vLLM's and OpenAI's servers, which the openai client reads. Text that came
+    from the client (a field name, say) may hold a lone surrogate: it is escaped, never a 500."""
+    return {"error": {"message": _printable(message), "type": ERROR_TYPES.get(status, "Error"),
+                      "param": None if param is None else _printable(param), "code": status}}
+
+
+def _printable(text: str) -> str:
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
+# pydantic's error types that mean "not this type" (in a union, the branches the input did not take)
+WRONG_TYPE = {"string_type", "list_type", "int_type", "float_type", "bool_type", "dict_type", "model_type",
+              "model_attributes_type", "int_from_float", "literal_error", "is_instance_of"}
+
+
+def _is_tag(part: Any) -> bool:
+    """A union member's tag in an error's location ('list[int]', 'function-after[...]', 'str')."""
+    return isinstance(part, str) and ("[" in part or part in ("str", "int", "float", "bool", "constrained-str"))
 
 
 def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str | None]:
-    """pydantic's errors -> one readable line, and the first offending field."""
-    parts, first = [], None
-    for err in errors[:5]:
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+    """pydantic's errors -> one readable line, and the first offending field. A union's branches
+    are folded into one entry per field: the branch whose type the input had, when one had it."""
+    groups: dict[str, list[dict[str, Any]]] = {}
+    for err in errors:
+        loc = [str(x) for x in err.get("loc", ()) if x != "body" and not _is_tag(x)]
         if err.get("type") in ("json_invalid", "json_type"):
             loc = []                      # pydantic gives the character offset here, not a field
-        where = ".".join(loc) if loc else "body"
-        first = first or (where if loc else None)
-        if err.get("type") == "extra_forbidden":
+        groups.setdefault(".".join(loc), []).append(err)
+    parts, first = [], None
+    for where, errs in list(groups.items())[:5]:
+        first = first or (where or None)
+        kind = errs[0].get("type")
+        right_type = [e for e in errs if e.get("type") not in WRONG_TYPE]
+        msgs = list(dict.fromkeys(SURROGATE if e.get("type") == "string_unicode" else
+                                  str(e.get("msg", "")).removeprefix("Value error, ") for e in (right_type or errs)))
+        if kind == "extra_forbidden":
             parts.append(f"unsupported field {where!r} (allocmoe does not implement it; remove it)")
-        elif err.get("type") == "missing":
+        elif kind == "missing":
             parts.append(f"missing field {where!r}")
-        elif err.get("type") in ("json_invalid", "json_type"):
-            parts.append(f"the body is not valid JSON ({err.get('msg')})")
+        elif kind in ("json_invalid", "json_type"):
+            parts.append(f"the body is not valid JSON ({errs[0].get('msg')})")
+        elif not where:
+            parts.append("; ".join(msgs))
+        elif right_type or len(msgs) == 1:
+            parts.append(f"{where}: {msgs[0]}")
         else:
-            parts.append(f"{where}: {err.get('msg')}")
+            parts.append(f"{where}: wrong type ({' / '.join(msgs)}; see /openapi.json)")
     return "; ".join(parts), first

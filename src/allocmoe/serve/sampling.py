@@ -24,6 +24,7 @@ class SamplingParams:
     seed: int | None = None         # makes sampling reproducible, whatever the batch
     stop: tuple[str, ...] = ()      # generation ends before the first of these strings
     ignore_eos: bool = False        # keep going past the end-of-text token (benchmarks)
+    logprobs: bool = False          # record each new token's log-probability (the model's, before temperature)
 
     def __post_init__(self):
         if not isinstance(self.max_new_tokens, int) or isinstance(self.max_new_tokens, bool) or self.max_new_tokens < 1:
