@@ -47,7 +47,7 @@ import torch
 
 from ..routing.apply import static_plan
 from ..core.config import check_counts, checked_config
-from ..errors import AllocMoeError
+from ..errors import AllocMoeError, Interrupted
 from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
@@ -164,6 +164,10 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
             bar.update(1)
             if on_cell:
                 on_cell(*configs[cfg][0])
+    except KeyboardInterrupt as exc:
+        if partial_path is None or not done or isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(f"{len(done)} of {len(configs)} cells kept in {partial_path}") from exc
     finally:
         arrivals.close()                             # its workers stop before Ray does
         bar.close()
