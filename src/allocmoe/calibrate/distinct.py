@@ -53,7 +53,7 @@ from ..measure.evaluate.perplexity import (check_decode_batch, default_seq_len, 
                                            tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
 from .cells import CellBar, CellRun
-from .profile import resumed_cells
+from .profile import resumed_cells, with_weights
 
 PROFILE_KIND = "distinct"
 
@@ -204,7 +204,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     grids = [profile_grid(min(m, num_experts), config.m_step) for m in union_max]
     cells = [(position, m) for position, grid in enumerate(grids) for m in grid]
 
-    run_key = {"kind": PROFILE_KIND, "model": fingerprint, "calibration": calibration,
+    run_key = {"kind": PROFILE_KIND, "model": with_weights(fingerprint, model), "calibration": calibration,
                "decode_batch": config.decode_batch, "k_floor": config.k_floor}
     resume = Path(resume_file) if resume_file else None
     done = resumed_cells(resume, run_key, "distinct profile resume file") if resume else {}

@@ -52,6 +52,7 @@ from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, token
 from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
+from ..core.fingerprint import same_weights, weights_fingerprint
 from ..core.plan import check_fingerprint, model_fingerprint
 from .onload import OnloadedModel
 from .cells import CellBar, CellRun
@@ -130,7 +131,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     if spec is not None:
         tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
         model = spec.skeleton()                      # the layout, no weights: loaded below once the work is known
-    fingerprint = model_fingerprint(model)
+    fingerprint = with_weights(model_fingerprint(model), spec if spec is not None else model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     seq_len = window_len(model, config.seq_len)
     windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens)
@@ -259,14 +260,42 @@ def cell_run(model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fin
         label=lambda cfg: f"MoE layer {start_position(cfg, k_orig) + 1}/{len(moe_layers)}")
 
 
+def with_weights(fingerprint: dict[str, Any], model) -> dict[str, Any]:
+    """The shape fingerprint with the model's weights fingerprint added as "weights" (a model folder's
+    files, or a model in memory's tensors: core/fingerprint.py), when there is one."""
+    weights = weights_fingerprint(model)
+    return {**fingerprint, "weights": weights} if weights else fingerprint
+
+
+def why_not_resumed(saved: Any, run_key: dict[str, Any]) -> str:
+    """Why a saved key is not this run's, for the warning: "another model's weights", "another
+    model", "no weights fingerprint (an older allocmoe)", "other settings (calibration)"."""
+    if not isinstance(saved, dict):
+        return "an unknown key"
+    found, wanted = saved.get("model"), run_key.get("model")
+    if found != wanted and isinstance(found, dict) and isinstance(wanted, dict):
+        shape = [key for key in set(found) | set(wanted) if key != "weights" and found.get(key) != wanted.get(key)]
+        if not shape:
+            if not found.get("weights"):
+                return "no weights fingerprint (an older allocmoe)"
+            return "another model's weights" if same_weights(found.get("weights"), wanted.get("weights")) is False \
+                else "weights fingerprinted another way (a folder's files against tensors in memory)"
+        return f"another model ({', '.join(sorted(shape))})"
+    fields = sorted(key for key in set(saved) | set(run_key) if saved.get(key) != run_key.get(key))
+    return f"other settings ({', '.join(fields)})"
+
+
 def resumed_cells(partial_path: Path, run_key: dict[str, Any], what: str = "partial profile") -> dict[str, float]:
-    """Finished cells of an earlier run with the same key (model, calibration, ...); none if it differs
-    or is damaged. The distinct-expert profile (distinct.py) resumes through it too."""
+    """Finished cells of an earlier run with the same key (model and its weights, calibration, ...);
+    none if it differs (one warning line says why it was not resumed) or is damaged. The
+    distinct-expert profile (distinct.py) resumes through it too."""
     if not partial_path.is_file():
         return {}
     try:
         saved = read_json(partial_path, what)
-        if not (isinstance(saved, dict) and saved.get("key") == run_key):
+        if isinstance(saved, dict) and isinstance(saved.get("cells"), dict) and saved.get("key") != run_key:
+            print(f"allocmoe: warning: {partial_path} was not resumed: its cells were made with "
+                  f"{why_not_resumed(saved.get('key'), run_key)}; profiling from the start", file=sys.stderr)
             return {}
         cells = {str(k): float(v) for k, v in saved["cells"].items()}
         if all(math.isfinite(v) for v in cells.values()):
@@ -278,11 +307,27 @@ def resumed_cells(partial_path: Path, run_key: dict[str, Any], what: str = "part
 
 
 def load_profile(path: str | os.PathLike, model=None) -> dict[str, Any]:
-    """Read and check a profile file; with `model`, refuse a profile of another model."""
+    """Read and check a profile file; with `model`, refuse a profile of another model: another shape
+    (core/plan.py) or other weights (a fingerprint of the same kind that differs). A profile with no
+    weights fingerprint (made before allocmoe recorded it) is accepted with one warning line."""
     profile = checked_profile(read_json(path, "profile"), f"profile {path}")
     if model is not None:
         check_fingerprint(profile["model"], model_fingerprint(model), f"profile {path}")
+        check_weights(profile["model"].get("weights"), weights_fingerprint(model), f"profile {path}")
     return profile
+
+
+def check_weights(found: str | None, expected: str | None, what: str) -> None:
+    """Refuse a file whose weights fingerprint differs from the model's, as another shape is refused;
+    warn once for a file without one; say nothing when the two cannot be compared (files against
+    tensors in memory, or the model's weights unknown)."""
+    if same_weights(found, expected) is False:
+        raise AllocMoeError(f"{what} was made for another model: its weights differ ({found} in the file, "
+                            f"{expected} for this model); recreate it for this model with `allocmoe profile`")
+    if found is None and expected is not None:
+        print(f"allocmoe: warning: {what} records no weights fingerprint (made before allocmoe recorded one), "
+              "so it cannot be checked against this model's weights; profile again to have it checked",
+              file=sys.stderr)
 
 
 def checked_profile(data: Any, source: str = "the profile") -> dict[str, Any]:

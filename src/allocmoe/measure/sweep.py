@@ -48,7 +48,8 @@ from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windo
 from ..core.files import atomic_write_json, json_safe, read_json
 from ..calibrate.methods import METHODS, AllocateConfig, allocate
 from ..core.plan import model_fingerprint
-from ..calibrate.profile import ProfileConfig, check_ray_fields, load_profile, model_folder, profile_sensitivity
+from ..calibrate.profile import (ProfileConfig, check_ray_fields, load_profile, model_folder, profile_sensitivity,
+                                 why_not_resumed, with_weights)
 
 DEFAULT_BUDGETS = ("1/3", "1/2", "2/3", "5/6")
 READS_PROFILE = ("alloc-moe", "alloc-l", "auto")     # the methods that read the profile
@@ -143,7 +144,8 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
                                       progress=False)      # the sweep's own bar counts the rows
         work = _RowWork(profile, calib_text, alloc_config, eval_windows, ppl_config, config)
         if kept is not None:
-            kept.open(rows_key(fingerprint, calib_text, eval_windows, alloc_config, config))
+            kept.open(rows_key(with_weights(fingerprint, spec if on_ray else model), calib_text, eval_windows,
+                               alloc_config, config))
             for item in items:
                 earlier = kept.get(_item_name(item, profile))
                 if earlier is not None:
@@ -228,8 +230,7 @@ def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_l
                                       "ray_workers": config.ray_workers,
                                       "threads_per_worker": config.threads_per_worker})
     saved = Path(output_dir) / "profile.json" if output_dir else None
-    skeleton = model.skeleton() if hasattr(model, "skeleton") else model
-    profile = _finished_profile(saved, skeleton, calib_text, profile_config, calib_name) if saved else None
+    profile = _finished_profile(saved, model, calib_text, profile_config, calib_name) if saved else None
     if profile is not None and config.progress:
         print(f"reusing {saved}: same model, calibration text and settings", file=sys.stderr)
     if profile is None:
@@ -300,18 +301,29 @@ class _RowWork:
 
 
 def _finished_profile(path: Path, model, calib_text: str, config: ProfileConfig, calib_name: str) -> dict | None:
-    """The profile an earlier (killed) sweep finished in `path`, if it is of this model and was made
-    from the same calibration text and settings; None otherwise (then it is profiled again)."""
+    """The profile an earlier (killed) sweep finished in `path`, if it is of this model (shape and
+    weights) and was made from the same calibration text and settings; None otherwise (then it is
+    profiled again, after one warning line saying why it was not reused). `model` is the model or
+    its folder's ModelSpec (on Ray)."""
     if not path.is_file():
         return None
+    skeleton = model.skeleton() if hasattr(model, "skeleton") else model
     try:
-        saved = load_profile(path, model)
-    except AllocMoeError:
+        saved = load_profile(path)
+    except AllocMoeError as exc:
+        print(f"allocmoe: warning: {path} was not reused ({exc}); profiling again", file=sys.stderr)
         return None
+    wanted_model = with_weights(model_fingerprint(skeleton), model)
+    found_model = {key: value for key, value in saved["model"].items() if value is not None}
     calibration = saved.get("calibration") or {}
     wanted = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
               "seq_len": config.seq_len, "max_tokens": config.max_tokens, "batch_size": config.batch_size}
-    return saved if all(calibration.get(key) == value for key, value in wanted.items()) else None
+    found = {key: calibration.get(key) for key in wanted}
+    if found_model != wanted_model or found != wanted:
+        why = why_not_resumed({"model": found_model, "calibration": found}, {"model": wanted_model, "calibration": wanted})
+        print(f"allocmoe: warning: {path} was not reused: it was made with {why}; profiling again", file=sys.stderr)
+        return None
+    return saved
 
 
 def _sha(data: bytes) -> str:
