@@ -461,3 +461,22 @@ def test_a_subset_of_the_methods_reuses_the_rows_it_shares(tiny, tmp_path, monke
     scored = _counting(monkeypatch)
     sweep(model, tok, TEXT, TEXT, {**SWEEP_ROWS, "methods": ("uniform", "top-p")}, output_dir=out)
     assert scored == ["top-p@6", "uniform@8", "top-p@8"]
+
+
+def test_a_ray_sweep_resumes_the_rows_a_single_process_sweep_kept(tiny_folder, tmp_path):
+    """The kept rows are keyed the same way on Ray (the folder's weights, the same evaluation tokens):
+    a Ray rerun scores only the rows the interrupted run did not keep, to the same table."""
+    ray = pytest.importorskip("ray")
+    from allocmoe.measure.sweep import sweep
+
+    config = {**SWEEP_ROWS, "methods": ("uniform", "top-p")}
+    out = tmp_path / "sweep"
+    with pytest.raises(KeyboardInterrupt):
+        sweep(str(tiny_folder), None, TEXT, TEXT, config, output_dir=out, on_row=_stop_after(1))
+    reported = []
+    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**config, "ray": "local", "ray_workers": 1},
+                   output_dir=out, on_row=lambda method, fraction: reported.append((method, fraction)))
+    assert not ray.is_initialized()
+    assert sorted(reported) == sorted([("top-p", 0.5), ("uniform", 2 / 3), ("top-p", 2 / 3)])   # not uniform@1/2
+    single = sweep(str(tiny_folder), None, TEXT, TEXT, config)
+    assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]
