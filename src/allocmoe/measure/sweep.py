@@ -380,7 +380,7 @@ class RowCheckpoint:
                 raise TypeError
             if saved.get("key") != self.key:
                 print(f"allocmoe: warning: {self.path} was not resumed: its rows were made with "
-                      f"{_differs(saved.get('key'), self.key)}; scoring every row again", file=sys.stderr)
+                      f"{why_not_resumed(saved.get('key'), self.key)}; scoring every row again", file=sys.stderr)
                 return
             self.rows = rows
         except (AllocMoeError, KeyError, TypeError, AttributeError):
@@ -402,17 +402,3 @@ class RowCheckpoint:
     def discard(self) -> None:
         if self.path.exists():
             self.path.unlink()
-
-
-def _differs(saved: Any, wanted: dict[str, Any]) -> str:
-    """Why a saved key is not this run's: "another model's weights", "other settings (evaluation)"."""
-    if not isinstance(saved, dict):
-        return "an unknown key"
-    if saved.get("model") != wanted.get("model"):
-        found, expected = saved.get("model") or {}, wanted.get("model") or {}
-        if isinstance(found, dict) and {k: v for k, v in found.items() if k != "weights"} == \
-                {k: v for k, v in expected.items() if k != "weights"}:
-            return "another model's weights"
-        return "another model"
-    fields = [name for name in wanted if saved.get(name) != wanted.get(name)]
-    return f"other settings ({', '.join(fields)})"
