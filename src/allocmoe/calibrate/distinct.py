@@ -48,7 +48,7 @@ from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
 from ..core.policies import DistinctExperts, StaticTopK
 from ..core.solver import solve_allocation
-from ..errors import AllocMoeError
+from ..errors import AllocMoeError, Interrupted
 from ..measure.evaluate.perplexity import (check_decode_batch, default_seq_len, evaluate_perplexity,
                                            tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
@@ -225,6 +225,10 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
             if resume:
                 atomic_write_json(resume, {"key": run_key, "cells": done})
             bar.update(1)
+    except KeyboardInterrupt as exc:
+        if resume is None or not done or isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(f"{len(done)} of {len(cells)} distinct-profile cells kept in {resume}") from exc
     finally:
         arrivals.close()
         bar.close()
