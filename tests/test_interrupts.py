@@ -480,3 +480,26 @@ def test_a_ray_sweep_resumes_the_rows_a_single_process_sweep_kept(tiny_folder, t
     assert sorted(reported) == sorted([("top-p", 0.5), ("uniform", 2 / 3), ("top-p", 2 / 3)])   # not uniform@1/2
     single = sweep(str(tiny_folder), None, TEXT, TEXT, config)
     assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]
+
+
+def test_an_interrupted_distinct_profile_names_the_cells_it_kept(tiny, tmp_path, monkeypatch):
+    from allocmoe.calibrate import distinct as distinct_module
+    from allocmoe.errors import Interrupted
+
+    model, tok = tiny
+    text = read_text(None, "calibration")[0]
+    resume = tmp_path / "plan.json.distinct.partial.json"
+    real, calls = distinct_module._score, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 4:                    # the unrestricted pass, then 2 cells, then Ctrl-C
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(distinct_module, "_score", interrupted)
+    with pytest.raises(Interrupted) as stopped:
+        distinct_module.distinct_profile(model, tok, text, {"decode_batch": 4, "seq_len": 32, "calib_max_tokens": 512,
+                                                            "progress": False}, resume_file=resume)
+    cells = len(json.loads(resume.read_text())["cells"])
+    assert cells == 2
+    assert re.fullmatch(rf"2 of \d+ distinct-profile cells kept in {re.escape(str(resume))}", stopped.value.resume)
