@@ -17,11 +17,13 @@ cells walk the model layer by layer, each layer read once per group of cells tha
 (calibrate/walk.py, calibrate/onload.py), to the same numbers; a model that fits is loaded whole.
 
 Resuming: after every cell the finished cells are written atomically to `<output>.partial.json`
-with the arguments that produced them; a rerun with the same arguments skips them (recomputing the
-held states up to the first unfinished layer in one pass), so a run killed at any point recomputes
-at most the cell it was in.
+with the arguments that produced them and the model's weights fingerprint (core/fingerprint.py); a
+rerun with the same arguments and weights skips them (recomputing the held states up to the first
+unfinished layer in one pass), so a run killed at any point recomputes at most the cell it was in.
+A partial file of other weights or settings is not resumed, and one warning line says why. An
+interrupt raises errors.Interrupted, which names the cells kept.
 
-Profile file (format_version 1): {"format_version", "model": fingerprint, "k_orig", "num_layers",
+Profile file (format_version 1): {"format_version", "model": fingerprint with "weights", "k_orig", "num_layers",
 "metric": "perplexity", "calibration": {...}, "sensitivity": [[S[i][k] for k in 1..K] ...],
 "provenance": {...}}; the typed document is in core/formats.py, its JSON Schema in
 docs/schemas/profile.schema.json. Provenance of this run: configurations_run (all) and
