@@ -6,8 +6,11 @@ What a killed run leaves, checked here:
   * `profile --output P.json`: only `P.json.partial.json` (the finished cells); a rerun with the same
     arguments starts its bar at those cells and ends with the profile an uninterrupted run makes.
   * `sweep --output DIR`, killed while profiling: only `DIR/profile.json.partial.json`, resumed the
-    same way by a rerun; killed after profiling: only the finished `DIR/profile.json`, which a rerun
-    reuses without profiling again. The result files (results.json, plans.json, results.md, two PNGs)
+    same way by a rerun; killed after profiling and some rows: the finished `DIR/profile.json`, which
+    a rerun reuses without profiling again, and `DIR/rows.partial.json`, whose rows it does not score
+    again (its bar starts at them).
+  * the interrupted line names what a rerun picks up: "N of 10 cells kept in P" or "profile done, N
+    of 6 rows kept in P". The result files (results.json, plans.json, results.md, two PNGs)
     appear together at the end or not at all, and no temporary file or folder is left anywhere.
 
 Each command runs three times on one output: killed by SIGTERM, rerun and killed by SIGINT further
@@ -32,7 +35,12 @@ WAIT_S = 120                 # bound on every wait; a run here takes seconds
 CALIB = {"seq_len": 256, "max_tokens": 2048, "batch_size": 4}      # 10 cells of a tenth of a second or so
 CELLS = 3 * 4 - 2            # the tiny model: 3 MoE layers, K = 4
 RESULTS = {"results.json", "plans.json", "results.md", "quality_vs_activations.png", "allocations.png"}
-INTERRUPTED = "allocmoe: interrupted (a profile resumes from its .partial.json when rerun)"
+RESUME = "allocmoe: interrupted; rerun the same command to resume: "
+INTERRUPTED = {      # what each killed run says it kept: (command, step) -> the line's pattern
+    ("profile", 0): RESUME + r"\d+ of 10 cells kept in \S+/profile/p\.json\.partial\.json",
+    ("profile", 1): RESUME + r"\d+ of 10 cells kept in \S+/profile/p\.json\.partial\.json",
+    ("sweep", 0): RESUME + r"\d+ of 10 cells kept in \S+/sweep/sweep/profile\.json\.partial\.json",
+    ("sweep", 1): RESUME + r"profile done, [2-6] of 6 rows kept in \S+/sweep/sweep/rows\.partial\.json"}
 BAR = r"[\w .-]+:\s+\d+%\|[^|\r\n]*\|[^\]\r\n]*\]"                 # one tqdm frame
 
 
@@ -55,14 +63,22 @@ def _cells(partial):
 PARTIAL = {"profile": "p.json.partial.json", "sweep": "sweep/profile.json.partial.json"}
 
 
+def _rows(kept):
+    """Finished rows in a sweep's rows.partial.json, the full model's score not counted (None if none)."""
+    try:
+        return len([name for name in json.loads(kept.read_text())["rows"] if name != "full"])
+    except FileNotFoundError:
+        return None
+
+
 def _mid_run(command, step, root, cells_before):
     """When to send the signal: run 1 as soon as a cell is saved; run 2 (resumed) once it has saved one
-    more cell (profile) or finished profiling (sweep)."""
+    more cell (profile) or finished profiling and kept two rows (sweep)."""
     if step == 0:
         return (root / PARTIAL[command]).exists()
     if command == "profile":
         return (_cells(root / PARTIAL[command]) or 0) > cells_before
-    return (root / "sweep" / "profile.json").exists()
+    return (_rows(root / "sweep" / "rows.partial.json") or 0) >= 2
 
 
 # step -> (signal, --quiet); the last run is not killed
@@ -152,6 +168,7 @@ def runs(tiny_folder, tmp_path_factory):
                 results = root / command / "sweep" / "results.json"
                 result.update(results=json.loads(results.read_text()) if results.exists() else None,
                               cells_found=cells, cells_left=_cells(root / command / PARTIAL[command]),
+                              rows_left=_rows(root / command / "sweep" / "rows.partial.json"),
                               left=_files(root / command),
                               profile=made.read_bytes() if made.exists() else None)
                 record[command].append(result)
@@ -169,14 +186,15 @@ def test_a_killed_run_exits_130_with_one_line_and_no_traceback(runs, command, st
     killed = runs[0][command][step]
     assert killed["rc"] == 130, killed["err"]
     assert "Traceback" not in killed["err"] and killed["out"] == ""
-    assert _messages(killed["err"]) == [INTERRUPTED], killed["err"]
+    assert len(_messages(killed["err"])) == 1, killed["err"]
+    assert re.fullmatch(INTERRUPTED[command, step], _messages(killed["err"])[0]), killed["err"]
 
 
 @pytest.mark.parametrize("command,step", KILLED)
 def test_the_interrupted_message_is_the_last_line_and_a_line_of_its_own(runs, command, step):
     # every bar is closed as the interrupt unwinds: not drawn again after the message, nor glued to it
     killed = runs[0][command][step]
-    assert re.split(r"[\r\n]", killed["err"].rstrip("\r\n"))[-1] == INTERRUPTED, killed["err"]
+    assert re.fullmatch(INTERRUPTED[command, step], re.split(r"[\r\n]", killed["err"].rstrip("\r\n"))[-1]), killed["err"]
 
 
 def test_a_killed_profile_leaves_only_its_partial_and_resumes_to_the_uninterrupted_profile(runs):
@@ -192,14 +210,22 @@ def test_a_killed_profile_leaves_only_its_partial_and_resumes_to_the_uninterrupt
     assert json.loads(last["profile"])["sensitivity"] == reference["sensitivity"]
 
 
-def test_a_killed_sweep_leaves_only_its_profile_and_resumes_without_profiling_again(runs):
+def _first_sweep_bar(err):
+    found = re.search(r"sweep:\s+\d+%\|[^|]*\|\s*(\d+)/(\d+)", err)
+    return (int(found.group(1)), int(found.group(2))) if found else None
+
+
+def test_a_killed_sweep_leaves_its_profile_and_rows_and_resumes_without_doing_them_again(runs):
     record, reference = runs
     first, second, last = record["sweep"]
     assert first["left"] == ["sweep", "sweep/profile.json.partial.json"]      # killed while profiling
     assert _first_profile_bar(second["err"]) == (first["cells_left"], CELLS)
-    assert second["left"] == ["sweep", "sweep/profile.json"]                  # killed after: no results, no temp
+    # killed after two rows or more: the profile and the rows, no results, no temp
+    assert second["left"] == ["sweep", "sweep/profile.json", "sweep/rows.partial.json"]
+    assert f"profile done, {second['rows_left']} of 6 rows kept in" in second["err"]
     assert last["rc"] == 0, last["err"]
     assert _first_profile_bar(last["err"]) is None and "reusing" in last["err"]   # the finished profile
+    assert _first_sweep_bar(last["err"]) == (second["rows_left"], 6)            # and the finished rows
     assert last["profile"] == second["profile"]
     assert last["left"] == ["sweep"] + sorted(f"sweep/{name}" for name in RESULTS | {"profile.json"})
     assert json.loads(last["profile"])["sensitivity"] == reference["sensitivity"]
@@ -246,17 +272,18 @@ def test_a_sweep_interrupted_while_writing_leaves_the_earlier_results_whole_and_
     with pytest.raises(KeyboardInterrupt):
         _sweep(tiny, out, "1/3")
     assert len(calls) == 2                                      # results.json, plans.json, results.md were written
-    assert _files(tmp_path) == ["sweep"] + sorted(f"sweep/{name}" for name in RESULTS)
+    # the finished rows are kept for a rerun; the result files are the earlier ones, whole
+    assert _files(tmp_path) == ["sweep"] + sorted(f"sweep/{name}" for name in RESULTS | {"rows.partial.json"})
     assert {name: (out / name).read_bytes() for name in RESULTS} == before
 
 
-def test_a_new_output_folder_appears_whole_or_not_at_all(tiny, tmp_path, monkeypatch):
+def test_a_new_output_folder_gets_its_results_whole_or_not_at_all(tiny, tmp_path, monkeypatch):
     out = tmp_path / "deeper" / "sweep"
     with monkeypatch.context() as patch:
         _interrupt_the_second_plot(patch)
         with pytest.raises(KeyboardInterrupt):
             _sweep(tiny, out, "1/2")
-    assert _files(tmp_path) == ["deeper"]
+    assert _files(tmp_path) == ["deeper", "deeper/sweep", "deeper/sweep/rows.partial.json"]   # the rows, no result
     _sweep(tiny, out, "1/2")
     assert _files(out) == sorted(RESULTS)
     umask = os.umask(0)
@@ -327,5 +354,152 @@ def test_a_bar_caught_while_being_made_is_closed_before_the_interrupted_line(tin
               "--output", str(tmp_path / "p.json")])
     err = capsys.readouterr().err
     assert exit_info.value.code == 130
-    assert re.split(r"[\r\n]", err.rstrip("\r\n"))[-1] == INTERRUPTED, err
+    assert re.split(r"[\r\n]", err.rstrip("\r\n"))[-1] == \
+        "allocmoe: interrupted (a profile resumes from its .partial.json when rerun)", err
     assert "sweep:" in err and not (tmp_path / "p.json").exists()
+
+
+# -- a sweep keeps its rows as they finish: a rerun scores only the rest ----------------------------------
+SWEEP_ROWS = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_max_tokens": 128,
+              "seq_len": 32, "progress": False, "profile": {"max_tokens": 256}}
+TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(300))
+
+
+def _counting(monkeypatch):
+    """Every full-model evaluation and row the sweep scores, by name, as they start."""
+    from allocmoe.measure import sweep as sweep_module
+
+    scored = []
+    row, full = sweep_module._RowWork.row, sweep_module._RowWork.full
+
+    def counted_row(self, model, tok, budget, method):
+        scored.append(f"{method}@{budget.activations_per_token:g}")
+        return row(self, model, tok, budget, method)
+
+    def counted_full(self, model, tok):
+        scored.append("full")
+        return full(self, model, tok)
+    monkeypatch.setattr(sweep_module._RowWork, "row", counted_row)
+    monkeypatch.setattr(sweep_module._RowWork, "full", counted_full)
+    return scored
+
+
+def _stop_after(rows):
+    def on_row(method, fraction):
+        on_row.seen += 1
+        if on_row.seen == rows:
+            raise KeyboardInterrupt
+    on_row.seen = 0
+    return on_row
+
+
+def _comparable(results):
+    return {key: results[key] for key in ("model", "full", "evaluation", "calibration", "rows")}
+
+
+def _plans(folder):
+    plans = json.loads((folder / "plans.json").read_text())
+    for plan in plans.values():
+        plan["provenance"].pop("created", None)
+    return plans
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tiny, tmp_path_factory):
+    from allocmoe.measure.sweep import sweep
+
+    model, tok = tiny
+    out = tmp_path_factory.mktemp("uninterrupted") / "sweep"
+    return sweep(model, tok, TEXT, TEXT, SWEEP_ROWS, output_dir=out), out
+
+
+def test_a_sweep_interrupted_after_two_rows_keeps_them_and_a_rerun_scores_only_the_rest(
+        tiny, tmp_path, monkeypatch, uninterrupted):
+    from allocmoe.errors import Interrupted
+    from allocmoe.measure.sweep import sweep
+
+    model, tok = tiny
+    out = tmp_path / "sweep"
+    scored = _counting(monkeypatch)
+    with pytest.raises(Interrupted) as stopped:
+        sweep(model, tok, TEXT, TEXT, SWEEP_ROWS, output_dir=out, on_row=_stop_after(2))
+    assert stopped.value.resume == f"profile done, 2 of 6 rows kept in {out / 'rows.partial.json'}"
+    assert scored == ["full", "uniform@6", "alloc-moe@6"]
+    assert _files(tmp_path) == ["sweep", "sweep/profile.json", "sweep/rows.partial.json"]
+    scored.clear()
+    results = sweep(model, tok, TEXT, TEXT, SWEEP_ROWS, output_dir=out)
+    assert scored == ["top-p@6", "uniform@8", "alloc-moe@8", "top-p@8"]         # the kept rows are not scored again
+    reference, reference_out = uninterrupted
+    assert _comparable(results) == _comparable(reference)
+    assert _plans(out) == _plans(reference_out)
+    assert _files(tmp_path) == ["sweep"] + sorted(f"sweep/{name}" for name in RESULTS | {"profile.json"})
+
+
+def test_kept_rows_of_other_settings_are_not_resumed_and_a_warning_says_why(tiny, tmp_path, monkeypatch, capsys):
+    from allocmoe.measure.sweep import sweep
+
+    model, tok = tiny
+    out = tmp_path / "sweep"
+    with pytest.raises(KeyboardInterrupt):
+        sweep(model, tok, TEXT, TEXT, SWEEP_ROWS, output_dir=out, on_row=_stop_after(2))
+    capsys.readouterr()
+    scored = _counting(monkeypatch)
+    sweep(model, tok, TEXT, TEXT, {**SWEEP_ROWS, "eval_max_tokens": 96, "methods": ("uniform",)}, output_dir=out)
+    assert scored == ["full", "uniform@6", "uniform@8"]                     # other evaluation tokens: all again
+    err = capsys.readouterr().err
+    assert f"allocmoe: warning: {out / 'rows.partial.json'} was not resumed: its rows were made with other " \
+           "settings (evaluation); scoring every row again" in err, err
+
+
+def test_a_subset_of_the_methods_reuses_the_rows_it_shares(tiny, tmp_path, monkeypatch):
+    from allocmoe.measure.sweep import sweep
+
+    model, tok = tiny
+    out = tmp_path / "sweep"
+    with pytest.raises(KeyboardInterrupt):
+        sweep(model, tok, TEXT, TEXT, SWEEP_ROWS, output_dir=out, on_row=_stop_after(2))
+    scored = _counting(monkeypatch)
+    sweep(model, tok, TEXT, TEXT, {**SWEEP_ROWS, "methods": ("uniform", "top-p")}, output_dir=out)
+    assert scored == ["top-p@6", "uniform@8", "top-p@8"]
+
+
+def test_a_ray_sweep_resumes_the_rows_a_single_process_sweep_kept(tiny_folder, tmp_path):
+    """The kept rows are keyed the same way on Ray (the folder's weights, the same evaluation tokens):
+    a Ray rerun scores only the rows the interrupted run did not keep, to the same table."""
+    ray = pytest.importorskip("ray")
+    from allocmoe.measure.sweep import sweep
+
+    config = {**SWEEP_ROWS, "methods": ("uniform", "top-p")}
+    out = tmp_path / "sweep"
+    with pytest.raises(KeyboardInterrupt):
+        sweep(str(tiny_folder), None, TEXT, TEXT, config, output_dir=out, on_row=_stop_after(1))
+    reported = []
+    on_ray = sweep(str(tiny_folder), None, TEXT, TEXT, {**config, "ray": "local", "ray_workers": 1},
+                   output_dir=out, on_row=lambda method, fraction: reported.append((method, fraction)))
+    assert not ray.is_initialized()
+    assert sorted(reported) == sorted([("top-p", 0.5), ("uniform", 2 / 3), ("top-p", 2 / 3)])   # not uniform@1/2
+    single = sweep(str(tiny_folder), None, TEXT, TEXT, config)
+    assert on_ray["rows"] == single["rows"] and on_ray["full"] == single["full"]
+
+
+def test_an_interrupted_distinct_profile_names_the_cells_it_kept(tiny, tmp_path, monkeypatch):
+    from allocmoe.calibrate import distinct as distinct_module
+    from allocmoe.errors import Interrupted
+
+    model, tok = tiny
+    text = read_text(None, "calibration")[0]
+    resume = tmp_path / "plan.json.distinct.partial.json"
+    real, calls = distinct_module._score, []
+
+    def interrupted(*args):
+        calls.append(1)
+        if len(calls) == 4:                    # the unrestricted pass, then 2 cells, then Ctrl-C
+            raise KeyboardInterrupt
+        return real(*args)
+    monkeypatch.setattr(distinct_module, "_score", interrupted)
+    with pytest.raises(Interrupted) as stopped:
+        distinct_module.distinct_profile(model, tok, text, {"decode_batch": 4, "seq_len": 32, "calib_max_tokens": 512,
+                                                            "progress": False}, resume_file=resume)
+    cells = len(json.loads(resume.read_text())["cells"])
+    assert cells == 2
+    assert re.fullmatch(rf"2 of \d+ distinct-profile cells kept in {re.escape(str(resume))}", stopped.value.resume)

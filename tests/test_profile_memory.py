@@ -5,6 +5,7 @@ read; and, in a subprocess, a 400 MiB model profiled under a 190 MiB cap, its pe
 read from the process itself, with its 13 cells in several walks."""
 
 import json
+import re
 import os
 import subprocess
 import sys
@@ -282,3 +283,48 @@ def test_a_model_twice_the_cap_is_profiled_to_the_same_table_under_the_cap_plus_
     whole = profile_sensitivity(str(big_folder), None, (big_folder / "calib.txt").read_text(),
                                 {"max_tokens": 2048, "seq_len": 128, "progress": False})
     assert relative_difference(capped["sensitivity"], whole["sensitivity"]) < 1e-5
+
+
+# -- memory the host can give: MemAvailable, not MemFree ------------------------------------------------------
+def fake_meminfo(path, free_gib, available_gib, cached_gib):
+    kib = 2**20                                            # KiB in a GiB
+    lines = [f"MemTotal:       {64 * kib} kB", f"MemFree:        {free_gib * kib} kB"]
+    if available_gib is not None:
+        lines.append(f"MemAvailable:   {available_gib * kib} kB")
+    lines += [f"Buffers:        {kib // 4} kB", f"Cached:         {cached_gib * kib} kB"]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_the_host_gives_what_memavailable_says_not_only_its_free_pages(tmp_path):
+    from allocmoe.core import memory
+
+    meminfo = fake_meminfo(tmp_path / "meminfo", free_gib=11, available_gib=22, cached_gib=11)
+    assert memory.available_memory_bytes(torch.device("cpu"), meminfo) == 22 * 2**30
+    need = int(12.8 * 2**30)                                # synthetic:deepseek-v2-lite, 6 layers
+    memory.check_free_memory(need, torch.device("cpu"), "the model", "fix", meminfo=meminfo)   # 12.8 <= 0.8 * 22
+    tight = fake_meminfo(tmp_path / "tight", free_gib=11, available_gib=15, cached_gib=4)
+    with pytest.raises(AllocMoeError, match=r"the model needs 12\.8 GiB, 15\.0 GiB is available; fix"):
+        memory.check_free_memory(need, torch.device("cpu"), "the model", "fix", meminfo=tight)   # 12.8 > 12
+
+
+def test_without_memavailable_the_host_falls_back_to_its_free_pages(tmp_path):
+    from allocmoe.core import memory
+
+    pages = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    old_kernel = fake_meminfo(tmp_path / "meminfo", free_gib=11, available_gib=None, cached_gib=11)
+    for path in (old_kernel, tmp_path / "absent"):
+        # the free pages move between two reads; the fallback is that figure, not a made-up one
+        assert abs(memory.available_memory_bytes(torch.device("cpu"), path) - pages) < 2**30
+
+
+def test_bench_refuses_a_synthetic_model_bigger_than_memavailable_and_says_available(tmp_path, monkeypatch, capsys):
+    from allocmoe.core import memory
+
+    monkeypatch.setattr(memory, "MEMINFO", str(fake_meminfo(tmp_path / "meminfo", 11, 22, 11)))
+    with pytest.raises(SystemExit) as exc:                 # 27 layers: ~58 GiB of float32 weights
+        main(["bench", "--model", "synthetic:deepseek-v2-lite", "--num-layers", "27", "--budget", "0.5"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err.strip()
+    assert re.fullmatch(r"allocmoe: error: synthetic:deepseek-v2-lite with 27 layers needs [\d.]+ GiB of weights, "
+                        r"22\.0 GiB is available; pass a smaller --num-layers", err), err

@@ -48,12 +48,12 @@ from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
 from ..core.policies import DistinctExperts, StaticTopK
 from ..core.solver import solve_allocation
-from ..errors import AllocMoeError
+from ..errors import AllocMoeError, Interrupted
 from ..measure.evaluate.perplexity import (check_decode_batch, default_seq_len, evaluate_perplexity,
                                            tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
 from .cells import CellBar, CellRun
-from .profile import resumed_cells
+from .profile import resumed_cells, with_weights
 
 PROFILE_KIND = "distinct"
 
@@ -204,7 +204,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     grids = [profile_grid(min(m, num_experts), config.m_step) for m in union_max]
     cells = [(position, m) for position, grid in enumerate(grids) for m in grid]
 
-    run_key = {"kind": PROFILE_KIND, "model": fingerprint, "calibration": calibration,
+    run_key = {"kind": PROFILE_KIND, "model": with_weights(fingerprint, model), "calibration": calibration,
                "decode_batch": config.decode_batch, "k_floor": config.k_floor}
     resume = Path(resume_file) if resume_file else None
     done = resumed_cells(resume, run_key, "distinct profile resume file") if resume else {}
@@ -225,6 +225,10 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
             if resume:
                 atomic_write_json(resume, {"key": run_key, "cells": done})
             bar.update(1)
+    except KeyboardInterrupt as exc:
+        if resume is None or not done or isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(f"{len(done)} of {len(cells)} distinct-profile cells kept in {resume}") from exc
     finally:
         arrivals.close()
         bar.close()

@@ -17,11 +17,13 @@ cells walk the model layer by layer, each layer read once per group of cells tha
 (calibrate/walk.py, calibrate/onload.py), to the same numbers; a model that fits is loaded whole.
 
 Resuming: after every cell the finished cells are written atomically to `<output>.partial.json`
-with the arguments that produced them; a rerun with the same arguments skips them (recomputing the
-held states up to the first unfinished layer in one pass), so a run killed at any point recomputes
-at most the cell it was in.
+with the arguments that produced them and the model's weights fingerprint (core/fingerprint.py); a
+rerun with the same arguments and weights skips them (recomputing the held states up to the first
+unfinished layer in one pass), so a run killed at any point recomputes at most the cell it was in.
+A partial file of other weights or settings is not resumed, and one warning line says why. An
+interrupt raises errors.Interrupted, which names the cells kept.
 
-Profile file (format_version 1): {"format_version", "model": fingerprint, "k_orig", "num_layers",
+Profile file (format_version 1): {"format_version", "model": fingerprint with "weights", "k_orig", "num_layers",
 "metric": "perplexity", "calibration": {...}, "sensitivity": [[S[i][k] for k in 1..K] ...],
 "provenance": {...}}; the typed document is in core/formats.py, its JSON Schema in
 docs/schemas/profile.schema.json. Provenance of this run: configurations_run (all) and
@@ -47,11 +49,12 @@ import torch
 
 from ..routing.apply import static_plan
 from ..core.config import check_counts, checked_config
-from ..errors import AllocMoeError
+from ..errors import AllocMoeError, Interrupted
 from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
+from ..core.fingerprint import same_weights, weights_fingerprint
 from ..core.plan import check_fingerprint, model_fingerprint
 from .onload import OnloadedModel
 from .cells import CellBar, CellRun
@@ -130,7 +133,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     if spec is not None:
         tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
         model = spec.skeleton()                      # the layout, no weights: loaded below once the work is known
-    fingerprint = model_fingerprint(model)
+    fingerprint = with_weights(model_fingerprint(model), spec if spec is not None else model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     seq_len = window_len(model, config.seq_len)
     windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens)
@@ -164,6 +167,10 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
             bar.update(1)
             if on_cell:
                 on_cell(*configs[cfg][0])
+    except KeyboardInterrupt as exc:
+        if partial_path is None or not done or isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(f"{len(done)} of {len(configs)} cells kept in {partial_path}") from exc
     finally:
         arrivals.close()                             # its workers stop before Ray does
         bar.close()
@@ -255,14 +262,42 @@ def cell_run(model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fin
         label=lambda cfg: f"MoE layer {start_position(cfg, k_orig) + 1}/{len(moe_layers)}")
 
 
+def with_weights(fingerprint: dict[str, Any], model) -> dict[str, Any]:
+    """The shape fingerprint with the model's weights fingerprint added as "weights" (a model folder's
+    files, or a model in memory's tensors: core/fingerprint.py), when there is one."""
+    weights = weights_fingerprint(model)
+    return {**fingerprint, "weights": weights} if weights else fingerprint
+
+
+def why_not_resumed(saved: Any, run_key: dict[str, Any]) -> str:
+    """Why a saved key is not this run's, for the warning: "another model's weights", "another
+    model", "no weights fingerprint (an older allocmoe)", "other settings (calibration)"."""
+    if not isinstance(saved, dict):
+        return "an unknown key"
+    found, wanted = saved.get("model"), run_key.get("model")
+    if found != wanted and isinstance(found, dict) and isinstance(wanted, dict):
+        shape = [key for key in set(found) | set(wanted) if key != "weights" and found.get(key) != wanted.get(key)]
+        if not shape:
+            if not found.get("weights"):
+                return "no weights fingerprint (an older allocmoe)"
+            return "another model's weights" if same_weights(found.get("weights"), wanted.get("weights")) is False \
+                else "weights fingerprinted another way (a folder's files against tensors in memory)"
+        return f"another model ({', '.join(sorted(shape))})"
+    fields = sorted(key for key in set(saved) | set(run_key) if saved.get(key) != run_key.get(key))
+    return f"other settings ({', '.join(fields)})"
+
+
 def resumed_cells(partial_path: Path, run_key: dict[str, Any], what: str = "partial profile") -> dict[str, float]:
-    """Finished cells of an earlier run with the same key (model, calibration, ...); none if it differs
-    or is damaged. The distinct-expert profile (distinct.py) resumes through it too."""
+    """Finished cells of an earlier run with the same key (model and its weights, calibration, ...);
+    none if it differs (one warning line says why it was not resumed) or is damaged. The
+    distinct-expert profile (distinct.py) resumes through it too."""
     if not partial_path.is_file():
         return {}
     try:
         saved = read_json(partial_path, what)
-        if not (isinstance(saved, dict) and saved.get("key") == run_key):
+        if isinstance(saved, dict) and isinstance(saved.get("cells"), dict) and saved.get("key") != run_key:
+            print(f"allocmoe: warning: {partial_path} was not resumed: its cells were made with "
+                  f"{why_not_resumed(saved.get('key'), run_key)}; profiling from the start", file=sys.stderr)
             return {}
         cells = {str(k): float(v) for k, v in saved["cells"].items()}
         if all(math.isfinite(v) for v in cells.values()):
@@ -274,11 +309,27 @@ def resumed_cells(partial_path: Path, run_key: dict[str, Any], what: str = "part
 
 
 def load_profile(path: str | os.PathLike, model=None) -> dict[str, Any]:
-    """Read and check a profile file; with `model`, refuse a profile of another model."""
+    """Read and check a profile file; with `model`, refuse a profile of another model: another shape
+    (core/plan.py) or other weights (a fingerprint of the same kind that differs). A profile with no
+    weights fingerprint (made before allocmoe recorded it) is accepted with one warning line."""
     profile = checked_profile(read_json(path, "profile"), f"profile {path}")
     if model is not None:
         check_fingerprint(profile["model"], model_fingerprint(model), f"profile {path}")
+        check_weights(profile["model"].get("weights"), weights_fingerprint(model), f"profile {path}")
     return profile
+
+
+def check_weights(found: str | None, expected: str | None, what: str) -> None:
+    """Refuse a file whose weights fingerprint differs from the model's, as another shape is refused;
+    warn once for a file without one; say nothing when the two cannot be compared (files against
+    tensors in memory, or the model's weights unknown)."""
+    if same_weights(found, expected) is False:
+        raise AllocMoeError(f"{what} was made for another model: its weights differ ({found} in the file, "
+                            f"{expected} for this model); recreate it for this model with `allocmoe profile`")
+    if found is None and expected is not None:
+        print(f"allocmoe: warning: {what} records no weights fingerprint (made before allocmoe recorded one), "
+              "so it cannot be checked against this model's weights; profile again to have it checked",
+              file=sys.stderr)
 
 
 def checked_profile(data: Any, source: str = "the profile") -> dict[str, Any]:

@@ -60,9 +60,11 @@ def main(argv: list[str] | None = None) -> None:
     except AllocMoeError as exc:
         print(f"allocmoe: error: {exc}", file=sys.stderr)
         sys.exit(2)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:
         _close_bars()
-        print("allocmoe: interrupted (a profile resumes from its .partial.json when rerun)", file=sys.stderr)
+        resume = getattr(exc, "resume", None)        # errors.Interrupted: what a rerun picks up
+        print(f"allocmoe: interrupted; rerun the same command to resume: {resume}" if resume else
+              "allocmoe: interrupted (a profile resumes from its .partial.json when rerun)", file=sys.stderr)
         sys.exit(130)
     except MemoryError:
         print("allocmoe: error: out of memory; lower --batch-size or --seq-len", file=sys.stderr)

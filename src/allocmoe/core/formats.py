@@ -188,10 +188,16 @@ class Calibration(Document):
     batch_size: Count
 
 
+class ProfileModel(ModelFingerprint):
+    """A profile's model: the fingerprint, and which weights it was measured on (core/fingerprint.py);
+    absent in profiles made before it was recorded."""
+    weights: Union[str, None] = Field(default=None, pattern=r"^(files|tensors):[0-9a-f]{16}$")
+
+
 class ProfileDocument(Document):
     """A profile file: calibration perplexity S[i][k] of each MoE layer i at each k in 1..K_orig."""
     format_version: Literal[1]
-    model: ModelFingerprint
+    model: ProfileModel
     k_orig: Count
     num_layers: Count
     metric: Literal["perplexity"]

@@ -7,8 +7,16 @@ results.json, plans.json, results.md and PNG plots into the output folder.
 Stopped at any point (Ctrl-C, SIGTERM, an error), a sweep leaves nothing half-written:
   * while profiling: only `profile.json.partial.json` in the output folder; a rerun with the same
     arguments resumes it, skipping the finished cells;
-  * after profiling: only the finished `profile.json`; a rerun with the same model, calibration text
+  * after profiling: the finished `profile.json`; a rerun with the same model, calibration text
     and settings reuses it instead of profiling again;
+  * every row (and the full model's score) as it finishes, in `rows.partial.json`, written
+    atomically under a key of what the numbers depend on (`rows_key`: the model, calibration text,
+    the exact evaluation tokens, allocation settings, tasks, allocmoe version; a row of a method that
+    reads the profile is named with the profile's hash too). A rerun with the same key takes the
+    kept rows instead of scoring them again (a different list of budgets or methods reuses the rows it
+    shares); one with another key says so in one warning line and scores every row. The file goes
+    once the results are written. The interrupted line names what was kept ("profile done, 7 of 40
+    rows kept in DIR/rows.partial.json", or the profile's cells while profiling);
   * the five result files appear together at the very end or not at all (earlier results in the
     folder stay whole), by report.written_together: written into a hidden temporary folder next to
     the output folder, then moved in with SIGINT/SIGTERM held off; that folder is removed on every
@@ -18,6 +26,7 @@ Stopped at any point (Ctrl-C, SIGTERM, an error), a sweep leaves nothing half-wr
 from __future__ import annotations
 
 import hashlib
+import json
 import platform
 import sys
 import time
@@ -34,14 +43,17 @@ from .. import __version__
 from ..routing.apply import apply_plan
 from ..core.budget import Budget
 from ..core.config import checked_config
-from ..errors import AllocMoeError
+from ..errors import AllocMoeError, Interrupted
 from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
-from ..core.files import atomic_write_json
+from ..core.files import atomic_write_json, json_safe, read_json
 from ..calibrate.methods import METHODS, AllocateConfig, allocate
 from ..core.plan import model_fingerprint
-from ..calibrate.profile import ProfileConfig, check_ray_fields, load_profile, model_folder, profile_sensitivity
+from ..calibrate.profile import (ProfileConfig, check_ray_fields, load_profile, model_folder, profile_sensitivity,
+                                 why_not_resumed, with_weights)
 
 DEFAULT_BUDGETS = ("1/3", "1/2", "2/3", "5/6")
+READS_PROFILE = ("alloc-moe", "alloc-l", "auto")     # the methods that read the profile
+ROWS_FILE = "rows.partial.json"                     # finished rows of a sweep not yet written out
 
 
 @dataclass
@@ -115,6 +127,8 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     pairs = [(budget, method) for budget in budgets for method in config.methods]
     items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
     results_of: dict[Any, Any] = {}                     # "full" or a row's index -> its result
+    kept = RowCheckpoint(Path(output_dir) / ROWS_FILE) if output_dir else None
+    given_profile = profile is not None
     try:
         if on_ray:
             from ..calibrate.distributed import RayPool, RaySettings, SweepWorker, connect
@@ -129,19 +143,46 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
                                       seq_len=seq_len, batch_size=config.batch_size,
                                       progress=False)      # the sweep's own bar counts the rows
         work = _RowWork(profile, calib_text, alloc_config, eval_windows, ppl_config, config)
-        with tqdm(total=len(items) - 1, desc="sweep", unit="run", disable=not config.progress) as bar:
+        if kept is not None:
+            kept.open(rows_key(with_weights(fingerprint, spec if on_ray else model), calib_text, eval_windows,
+                               alloc_config, config))
+            for item in items:
+                earlier = kept.get(_item_name(item, profile))
+                if earlier is not None:
+                    results_of[item[0]] = earlier
+        todo = [item for item in items if item[0] not in results_of]
+        resumed = sum(1 for item in items if item[0] != "full" and item[0] in results_of)
+        with tqdm(total=len(items) - 1, initial=resumed, desc="sweep", unit="run",
+                  disable=not config.progress) as bar:
             if on_ray:
                 pool = RayPool(SweepWorker, spec, work, settings, workers, "rerun the sweep")
-                arrivals = pool.results(items, lambda item, back: None if back else item, bar)
+                arrivals = pool.results(todo, lambda item, back: None if back else item, bar)
             else:
-                arrivals = work.in_order(model, tokenizer, items, bar)
+                arrivals = work.in_order(model, tokenizer, todo, bar)
             with closing(arrivals):                    # its workers stop before Ray does
                 for item, result in arrivals:
                     results_of[item[0]] = result
+                    if kept is not None:
+                        kept.keep(_item_name(item, profile), result)
                     if item[0] != "full":
                         bar.update(1)
                         if on_row:
                             on_row(item[2], item[1].fraction)
+    except KeyboardInterrupt as exc:
+        if kept is None or isinstance(exc, Interrupted):
+            raise                                      # nothing kept to name, or the profile named its cells
+        saved = Path(output_dir) / "profile.json"
+        profiled = not given_profile and (kept.key is not None and profile is not None or
+                                          saved.is_file() and saved.stat().st_mtime >= started - 1)
+        if kept.key is None and not profiled:
+            raise
+        total = len(items) - 1
+        if kept.path.is_file():
+            resume = (f"{'profile done, ' if profiled else ''}{kept.count(exclude='full')} of {total} rows kept in "
+                      f"{kept.path}")
+        else:
+            resume = f"profile done, kept in {saved}; 0 of {total} rows scored"
+        raise Interrupted(resume) from exc
     finally:
         if ray_started:
             import ray
@@ -173,6 +214,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
             atomic_write_json(folder / "results.json", results)
             atomic_write_json(folder / "plans.json", plans)
             write_report(results, folder)
+        kept.discard()                                 # the results hold every row now
     return results
 
 
@@ -180,7 +222,7 @@ def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_l
                    calib_name: str) -> dict | None:
     """The profile the methods need: the one given, one an earlier run of this sweep finished, or a new
     one (on Ray when the sweep is); None when no method needs one."""
-    needs_profile = any(m in ("alloc-moe", "alloc-l", "auto") for m in config.methods)
+    needs_profile = any(m in READS_PROFILE for m in config.methods)
     if profile is not None or not needs_profile:
         return profile
     profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len, "batch_size": config.batch_size,
@@ -188,8 +230,7 @@ def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_l
                                       "ray_workers": config.ray_workers,
                                       "threads_per_worker": config.threads_per_worker})
     saved = Path(output_dir) / "profile.json" if output_dir else None
-    skeleton = model.skeleton() if hasattr(model, "skeleton") else model
-    profile = _finished_profile(saved, skeleton, calib_text, profile_config, calib_name) if saved else None
+    profile = _finished_profile(saved, model, calib_text, profile_config, calib_name) if saved else None
     if profile is not None and config.progress:
         print(f"reusing {saved}: same model, calibration text and settings", file=sys.stderr)
     if profile is None:
@@ -260,15 +301,104 @@ class _RowWork:
 
 
 def _finished_profile(path: Path, model, calib_text: str, config: ProfileConfig, calib_name: str) -> dict | None:
-    """The profile an earlier (killed) sweep finished in `path`, if it is of this model and was made
-    from the same calibration text and settings; None otherwise (then it is profiled again)."""
+    """The profile an earlier (killed) sweep finished in `path`, if it is of this model (shape and
+    weights) and was made from the same calibration text and settings; None otherwise (then it is
+    profiled again, after one warning line saying why it was not reused). `model` is the model or
+    its folder's ModelSpec (on Ray)."""
     if not path.is_file():
         return None
+    skeleton = model.skeleton() if hasattr(model, "skeleton") else model
     try:
-        saved = load_profile(path, model)
-    except AllocMoeError:
+        saved = load_profile(path)
+    except AllocMoeError as exc:
+        print(f"allocmoe: warning: {path} was not reused ({exc}); profiling again", file=sys.stderr)
         return None
+    wanted_model = with_weights(model_fingerprint(skeleton), model)
+    found_model = {key: value for key, value in saved["model"].items() if value is not None}
     calibration = saved.get("calibration") or {}
     wanted = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
               "seq_len": config.seq_len, "max_tokens": config.max_tokens, "batch_size": config.batch_size}
-    return saved if all(calibration.get(key) == value for key, value in wanted.items()) else None
+    found = {key: calibration.get(key) for key in wanted}
+    if found_model != wanted_model or found != wanted:
+        why = why_not_resumed({"model": found_model, "calibration": found}, {"model": wanted_model, "calibration": wanted})
+        print(f"allocmoe: warning: {path} was not reused: it was made with {why}; profiling again", file=sys.stderr)
+        return None
+    return saved
+
+
+def _sha(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _item_name(item: tuple, profile: dict | None) -> str:
+    """A row's name in the checkpoint, the same whatever budgets and methods the sweep lists: "full",
+    or "METHOD@ACTIVATIONS" with the budget's activations per token exactly, and for the methods that
+    read the profile "#" and a hash of the profile's table and calibration (another profile: another
+    row)."""
+    if item[0] == "full":
+        return "full"
+    name = f"{item[2]}@{float(item[1].activations_per_token)!r}"
+    if item[2] in READS_PROFILE and profile is not None:
+        name += "#" + _sha(json.dumps([profile["sensitivity"], profile.get("calibration")], sort_keys=True).encode())
+    return name
+
+
+def rows_key(fingerprint: dict[str, Any], calib_text: str, eval_windows: torch.Tensor,
+             alloc_config: AllocateConfig, config: SweepConfig) -> dict[str, Any]:
+    """What every row's numbers depend on besides its method, budget and profile (`_item_name`): the
+    model, the calibration text (auto's stand-ins, top-p and NAEE thresholds read it), the exact
+    evaluation tokens, the allocation settings, the tasks and the allocmoe version. A checkpoint with
+    another key is not resumed."""
+    sha = _sha
+    windows = eval_windows.contiguous()
+    return {"model": fingerprint,
+            "calibration_sha256": sha(calib_text.encode()),
+            "evaluation": {"sha256": sha(windows.numpy().tobytes()), "shape": list(windows.shape)},
+            "allocate": asdict(alloc_config),
+            "tasks": {"tasks": list(config.tasks), "limit": config.task_limit, "num_fewshot": config.num_fewshot,
+                      "include_path": config.include_path},
+            "allocmoe": __version__}
+
+
+class RowCheckpoint:
+    """The sweep's finished rows (and its full-model score), written atomically to `path` as each
+    finishes, under the key of what produced them; a rerun with the same key takes them instead of
+    scoring them again. A row with a value that is not finite is not kept (JSON has no NaN): a rerun
+    scores it again."""
+
+    def __init__(self, path: Path):
+        self.path, self.key, self.rows = path, None, {}
+
+    def open(self, key: dict[str, Any]) -> None:
+        self.key, self.rows = json.loads(json.dumps(key)), {}     # as it reads back from the file
+        if not self.path.is_file():
+            return
+        try:
+            saved = read_json(self.path, "sweep checkpoint")
+            rows = saved["rows"]
+            if not (isinstance(rows, dict) and all(isinstance(v, list) for v in rows.values())):
+                raise TypeError
+            if saved.get("key") != self.key:
+                print(f"allocmoe: warning: {self.path} was not resumed: its rows were made with "
+                      f"{why_not_resumed(saved.get('key'), self.key)}; scoring every row again", file=sys.stderr)
+                return
+            self.rows = rows
+        except (AllocMoeError, KeyError, TypeError, AttributeError):
+            print(f"allocmoe: warning: {self.path} is damaged; scoring every row again", file=sys.stderr)
+
+    def get(self, name: str):
+        return self.rows.get(name)
+
+    def count(self, exclude: str) -> int:
+        return sum(1 for name in self.rows if name != exclude)
+
+    def keep(self, name: str, result) -> None:
+        clean, where = json_safe(result)
+        if where:
+            return
+        self.rows[name] = clean
+        atomic_write_json(self.path, {"key": self.key, "rows": self.rows})
+
+    def discard(self) -> None:
+        if self.path.exists():
+            self.path.unlink()
