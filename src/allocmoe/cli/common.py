@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import stat
 import sys
 from pathlib import Path
 
@@ -60,34 +62,137 @@ def _whole(text: str, least: int) -> int:
     return value
 
 
-def check_output_file(path: str | None, flag: str = "--output") -> None:
-    """Refuse, before any work, an output file that could not be written at the end."""
-    if not path:
+Inputs = "dict[str, str | None] | list[tuple[str, str | None]]"
+
+
+def check_output_file(path: str | None, flag: str = "--output", inputs: Inputs = (), writes: tuple = ()) -> None:
+    """Refuse, before any work, an output file that could not be written at the end, or that would
+    destroy something: an empty path or one the system cannot take (too long), an existing folder,
+    device, FIFO or socket (only an absent or regular file is ever replaced), a read-only file or
+    folder, a folder that does not exist, and any of the command's `inputs` (flag -> path; a plan's
+    means file counts, see `plan_inputs`), through any link or hard link. `writes` are the other
+    files the command writes beside it (a plan's means file, a `.partial.json`), checked the same way."""
+    if path is None:
         return
+    for target in (path, *writes):
+        _check_output_path(target, flag if target == path else f"{flag} {path} (which also writes {target})",
+                           inputs)
+
+
+def check_output_dir(path: str | None, flag: str = "--output", inputs: Inputs = (), names: tuple = ()) -> None:
+    """Refuse, before any work, an output folder that is a file (or a device, FIFO, socket) or lies
+    under one, an empty path, an input folder (--model), or one whose files `names` (what the command
+    writes into it) would replace one of the command's `inputs` or are not regular files."""
+    if path is None:
+        return
+    from ..core.files import kind_of, path_stat
+
+    st = path_stat(path, flag)
     target = Path(path)
-    if target.is_dir():
+    if st is not None and not stat.S_ISDIR(st.st_mode):
+        raise AllocMoeError(f"{flag} {path} is {'a file' if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)}; "
+                            "give a folder path")
+    _refuse_under_a_file(target, flag)
+    for name, given in _pairs(inputs):
+        if given and os.path.isdir(given) and _same(target, given):
+            raise AllocMoeError(f"{flag} {path} is also an input folder ({name} {given}); give another folder")
+    if st is not None:
+        _check_folder_writable(target, flag)
+        for name in names:
+            _check_output_path(str(target / name), f"{flag} {path} (which writes {name} into it)", inputs)
+
+
+def plan_inputs(flag: str, plan: str | None) -> list[tuple[str, str | None]]:
+    """A plan input and its means file (named in the plan, else the default name beside it), so an
+    output can be refused for either; read only if the plan is a regular file, errors left for loading."""
+    if not plan or plan.startswith("builtin:"):
+        return [(flag, plan)]
+    from ..core.means import sidecar_name
+
+    found = [(flag, plan), (f"{flag}'s means file", str(Path(plan).parent / sidecar_name(plan)))]
+    try:
+        if os.path.isfile(plan) and os.path.getsize(plan) < 1 << 20:
+            with open(plan, "rb") as f:
+                named = json.loads(f.read()).get("substitute", {}).get("means_file")
+            if isinstance(named, str) and named and "/" not in named and "\\" not in named:
+                found.append((f"{flag}'s means file", str(Path(plan).parent / named)))
+    except Exception:                  # any problem with the plan is the loader's to report, in its words
+        pass
+    return found
+
+
+def _pairs(inputs: Inputs) -> list[tuple[str, str | None]]:
+    return list(inputs.items()) if isinstance(inputs, dict) else list(inputs)
+
+
+def _same(a, b) -> bool:
+    """Whether two paths name one file: the same inode (hard links, links, bind mounts) or, for a path
+    that does not exist yet, the same resolved path."""
+    try:
+        if os.path.samefile(a, b):
+            return True
+    except (OSError, ValueError):
+        pass
+    try:
+        return os.path.realpath(a) == os.path.realpath(b)
+    except (OSError, ValueError):
+        return False
+
+
+def _check_output_path(path: str, flag: str, inputs: Inputs) -> None:
+    from ..core.files import kind_of, path_stat
+
+    st = path_stat(path, flag)
+    target = Path(path)
+    if st is not None and stat.S_ISDIR(st.st_mode):
         raise AllocMoeError(f"{flag} {path} is a folder; give a file path")
+    if st is not None and not stat.S_ISREG(st.st_mode):
+        raise AllocMoeError(f"{flag} {path} is {kind_of(st.st_mode)}, not a regular file; give the path of a new "
+                            "or regular file")
+    for name, given in _pairs(inputs):
+        if not given or str(given).startswith(("builtin:", "synthetic:")):
+            continue
+        if _same(path, given):
+            raise AllocMoeError(f"{flag} {path} is also an input ({name} {given}): writing it would destroy the "
+                                "input; give another output path")
+        if st is not None and os.path.isdir(given) and _inside(path, given):
+            raise AllocMoeError(f"{flag} {path} is a file inside an input folder ({name} {given}): writing it "
+                                "would change the input; give a path outside it")
     _refuse_under_a_file(target, flag)
-    if not target.parent.exists():
-        raise AllocMoeError(f"{flag} {path}: the folder {target.parent} does not exist; create it or choose "
+    parent = target.parent
+    if path_stat(parent, flag) is None:
+        raise AllocMoeError(f"{flag} {path}: the folder {parent} does not exist; create it or choose "
                             "another path")
+    _check_folder_writable(parent, flag, path)
+    if st is not None and not os.access(path, os.W_OK):
+        raise AllocMoeError(f"{flag} {path} is read-only; make it writable or choose another path")
 
 
-def check_output_dir(path: str | None, flag: str = "--output") -> None:
-    """Refuse, before any work, an output folder that is a file or lies under one."""
-    if not path:
-        return
-    target = Path(path)
-    if target.exists() and not target.is_dir():
-        raise AllocMoeError(f"{flag} {path} is a file; give a folder path")
-    _refuse_under_a_file(target, flag)
+def _inside(path, folder) -> bool:
+    try:
+        return Path(os.path.realpath(path)).is_relative_to(os.path.realpath(folder))
+    except (OSError, ValueError):
+        return False
+
+
+def _check_folder_writable(folder: Path, flag: str, path=None) -> None:
+    if not os.access(folder, os.W_OK | os.X_OK):
+        raise AllocMoeError(f"{flag} {path or folder}: the folder {folder} is not writable; choose another path")
 
 
 def _refuse_under_a_file(target: Path, flag: str) -> None:
     """The nearest existing folder above `target` must be a folder, not a regular file."""
-    parent = next((p for p in target.parents if p.exists()), None)
+    parent = next((p for p in target.parents if _exists(p)), None)
     if parent is not None and not parent.is_dir():
         raise AllocMoeError(f"{flag} {target} lies under {parent}, which is a file; choose another path")
+
+
+def _exists(path: Path) -> bool:
+    try:
+        os.stat(path)
+        return True
+    except (OSError, ValueError):
+        return False
 
 
 def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
@@ -197,3 +302,29 @@ def emit(obj, path: str | None, shown: dict | None = None) -> None:
         atomic_write_json(path, obj)
         print(f"wrote {path}", file=sys.stderr)
     print(json.dumps(obj if shown is None else shown, indent=2))
+
+
+def output_companions(output: str | None) -> tuple[str, ...]:
+    """The files `allocate --output PLAN` may write beside the plan: its means file and its resume files."""
+    if not output:
+        return ()
+    from ..core.means import sidecar_name
+
+    return (str(Path(output).parent / sidecar_name(output)), f"{output}.refine.partial.json",
+            f"{output}.distinct.partial.json")
+
+
+def named_plan_inputs(values: list[str], flag: str = "--request-plan") -> list[tuple[str, str | None]]:
+    """`NAME=PLAN.json` values as plan inputs (their means files too); malformed ones are the parser's to refuse."""
+    return [pair for value in values or () if "=" in value for pair in plan_inputs(flag, value.split("=", 1)[1])]
+
+
+def sweep_inputs(args) -> list[tuple[str, str | None]]:
+    return [("--profile", args.profile), ("--calib-text", args.calib_text), ("--text", args.text),
+            ("--model", args.model), ("--include-path", args.include_path)]
+
+
+def sweep_names(profile: str | None) -> tuple[str, ...]:
+    """What `sweep` writes into its folder (its own profile only when none is given)."""
+    names = ("results.json", "plans.json", "results.md", "quality_vs_activations.png", "allocations.png")
+    return names if profile else names + ("profile.json", "profile.json.partial.json")
