@@ -366,3 +366,71 @@ def test_fuzzed_profile_files_through_the_cli(doc, tmp_path, capsys):
     else:
         assert code == 0 and accepted and out.exists(), err
         assert_valid_plan_document(json.loads(out.read_text()))
+
+
+# -- issue 39: JSON as the standard reads it, never a raw exception --------------------------------------
+
+def _plan_text(**replace) -> str:
+    text = json.dumps(valid_plan())
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new, 1)
+    return text
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("text,message", [
+    (DEEP, "nested more than 64 levels deep"),
+    ('{"a":' * 100_000 + "1" + "}" * 100_000, "nested more than 64 levels deep"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": ' + "[" * 65 + "]" * 65 + ", "}),
+     "nested more than 64 levels deep"),
+    (_plan_text(**{'"method": "hand"': '"method": "hand", "method": "alloc-moe"'}),
+     "the key 'method' appears twice in one object"),
+    (_plan_text(**{'"k": 2}': '"k": 2, "k": 4}'}), "the key 'k' appears twice"),
+    (_plan_text(**{'"p": 0.9': '"p": NaN'}), "NaN is not a JSON number"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": -Infinity, '}), "-Infinity is not a JSON number"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": 1e400, '}), "the number 1e400 is too large"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": ' + "9" * 5000 + ", "}), "too many for a double"),
+], ids=["brackets", "objects", "provenance", "duplicate-method", "duplicate-k", "nan", "infinity", "1e400",
+        "5000-digits"])
+def test_json_the_standard_refuses_is_one_clear_error(text, message, tmp_path, capsys):
+    """100,000 nested brackets were a RecursionError (exit 1 from the CLI), a duplicate key silently
+    kept its last value, and NaN/Infinity/1e400 read as Python floats: each is now one AllocMoeError,
+    from Plan.load, load_profile and the CLI alike."""
+    path = tmp_path / "doc.json"
+    path.write_text(text)
+    with pytest.raises(AllocMoeError, match=message) as exc:
+        Plan.load(path)
+    assert "\n" not in str(exc.value) and "recreate it" in str(exc.value)
+    with pytest.raises(AllocMoeError, match=message):
+        load_profile(path)
+    for argv in (["export", "--format", "vllm", "--plan", str(path)],
+                 ["allocate", "--profile", str(path), "--method", "alloc-l", "--budget", "0.5", "--output",
+                  str(tmp_path / "out.json")]):
+        code, err = run_cli(argv, capsys)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
+
+
+def test_a_profile_with_a_duplicate_key_is_refused(tmp_path):
+    text = json.dumps(valid_profile()).replace('"metric": "perplexity"', '"metric": "perplexity", "metric": "x"')
+    (tmp_path / "p.json").write_text(text)
+    with pytest.raises(AllocMoeError, match="the key 'metric' appears twice"):
+        load_profile(tmp_path / "p.json")
+
+
+def test_documents_built_in_python_are_held_to_the_same_depth():
+    """Plan.from_dict and checked_profile take dicts from Python too: a deep provenance there would
+    exhaust the recursion of whatever walks it later (saving it, printing it)."""
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    for build, doc in ((Plan.from_dict, valid_plan()), (checked_profile, valid_profile())):
+        doc["provenance"] = {"deep": deep}
+        with pytest.raises(AllocMoeError, match="nested more than 64 levels deep"):
+            build(doc)
+        doc["provenance"] = {"ok": [[[[1]]]]}
+        build(doc)

@@ -157,7 +157,7 @@ def loads_strict(data: bytes | str, source: str) -> Any:
     try:
         text = data.decode("utf-8") if isinstance(data, bytes) else data
         return _check_depth(json.loads(text, object_pairs_hook=_unique_keys, parse_constant=_no_constant,
-                                       parse_float=_finite_float), source)
+                                       parse_float=_finite_float, parse_int=_short_int), source)
     except _Refused as exc:
         raise AllocMoeError(f"{source} is invalid JSON: {exc}; {fix}") from None
     except RecursionError:
@@ -191,12 +191,27 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _short_int(text: str) -> int:
+    if len(text.lstrip("-")) > 400:                 # past any double; Python would refuse past 4300 digits
+        raise _Refused(f"the number {text[:20]}... has {len(text)} digits, too many for a double")
+    return int(text)
+
+
+def json_depth_problem(obj: Any) -> str | None:
+    """Why `obj` (parsed JSON, or a document built in Python) nests too deeply, or None."""
+    try:
+        _check_depth(obj, "")
+    except _Refused as exc:
+        return str(exc)
+    return None
+
+
 def _check_depth(obj: Any, source: str) -> Any:
     """`obj` unchanged, or _Refused if it nests deeper than MAX_JSON_DEPTH (iterative: no recursion)."""
     stack = [(obj, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
+        if isinstance(item, (dict, list, tuple)):
             if depth > MAX_JSON_DEPTH:
                 raise _Refused(f"nested more than {MAX_JSON_DEPTH} levels deep")
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))

@@ -219,6 +219,11 @@ def validated(cls: type[Document], data: Any, source: str, version: int, fix: st
     """`data` as a `cls` document, or one AllocMoeError naming the first problem and the fix."""
     if not isinstance(data, dict):
         raise AllocMoeError(f"{source} is not an allocmoe {_kind(cls)} (expected a JSON object); {fix}")
+    from .files import json_depth_problem
+
+    deep = json_depth_problem(data)
+    if deep:
+        raise AllocMoeError(f"{source} is invalid: {deep}; {fix}")
     found = data.get("format_version")
     if type(found) is not int or found != version:          # true and 1.0 are not the version 1
         raise AllocMoeError(f"{source} has format_version {found!r} but this allocmoe reads version {version}; {fix}")
