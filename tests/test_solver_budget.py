@@ -65,3 +65,28 @@ def test_budget_parses_fractions_and_counts(text, count):
 def test_bad_budgets_are_refused_with_the_reason(text, message):
     with pytest.raises(AllocMoeError, match=message):
         Budget.parse(text, num_layers=26, k_orig=6)
+
+
+@pytest.mark.parametrize("text", ["1_0", "1_000", "50 %", "5 0", " 0.5", "0.5 ", "0.5\n", "١", "٥٠%", "０.５",
+                                  "1/2 ", "1 / 2", "½", "0x10", "1e", "e5", ".", "%", "/2", "1/", "1.5/3", "+0.5",
+                                  "inf", "Infinity", "nan", "0.5%%", "1e99999", "9" * 100, "1/2/3", "50%/2"])
+def test_only_the_documented_ascii_budget_forms_are_read(text):
+    """Python's float() and Fraction() take underscores, spaces and any Unicode digit: "١" (Arabic-Indic
+    one) was read as the full budget. Only 0.5, 1/2, 50% and counts, in ASCII, are budgets."""
+    with pytest.raises(AllocMoeError, match="not a number"):
+        Budget.parse(text, num_layers=26, k_orig=6)
+
+
+@pytest.mark.parametrize("text,count", [(".5", 78), ("5e-1", 78), ("7.8e1", 78), ("50.0%", 78), ("62.5%", 97.5),
+                                        ("078", 78), ("2/4", 78), ("1.", 156), (0.5, 78), (78, 78), ("1e3", None)])
+def test_the_documented_forms_still_read(text, count):
+    if count is None:
+        with pytest.raises(AllocMoeError, match="above the full budget"):
+            Budget.parse(text, num_layers=26, k_orig=6)
+        return
+    assert Budget.parse(text, num_layers=26, k_orig=6).activations_per_token == count
+
+
+def test_a_budget_too_large_for_a_float_is_refused_not_a_crash():
+    with pytest.raises(AllocMoeError, match="not a number"):
+        Budget.parse("1e999", num_layers=26, k_orig=6)
