@@ -90,3 +90,85 @@ def test_the_documented_forms_still_read(text, count):
 def test_a_budget_too_large_for_a_float_is_refused_not_a_crash():
     with pytest.raises(AllocMoeError, match="not a number"):
         Budget.parse("1e999", num_layers=26, k_orig=6)
+
+
+# -- issue 39: any valid profile is solved exactly, however large or small its values -------------------
+
+def exact_brute_force(costs, budget):
+    """The least exact (rational) total over every allocation within the budget."""
+    from fractions import Fraction
+
+    best = None
+    for ks in itertools.product(range(1, len(costs[0]) + 1), repeat=len(costs)):
+        if sum(ks) <= budget:
+            cost = sum(Fraction(costs[i][k - 1]) for i, k in enumerate(ks))
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+def exact_cost(costs, ks):
+    from fractions import Fraction
+
+    return sum(Fraction(costs[i][k - 1]) for i, k in enumerate(ks))
+
+
+MAX = 1.7976931348623157e308
+BELOW_MAX = 1.7976931348623155e308          # the double just below the largest
+TINY = 5e-324                               # the smallest subnormal
+
+
+@pytest.mark.parametrize("costs,budget", [
+    ([[1e308] * 4] * 3, 6),                                     # was: every sum inf, k 0, "this is a bug"
+    ([[MAX] * 4] * 3, 7),
+    ([[MAX, MAX / 2, MAX / 4, MAX / 8]] * 3, 6),
+    ([[MAX, BELOW_MAX, 1.0, 1.0], [BELOW_MAX, MAX, MAX, 1.0], [MAX, 1.0, 1.0, 1.0]], 7),
+    ([[-MAX, MAX], [MAX, -MAX]], 3),                            # rows spanning more than the largest double
+    ([[TINY * 8, TINY * 4, TINY * 2, TINY]] * 3, 8),
+    ([[TINY, 0.0], [0.0, TINY]], 2),
+    ([[2.2250738585072014e-308, TINY, TINY, 0.0]] * 2, 5),
+    ([[1e308, 1.0], [1.0, 1e308], [1e308, 1e308]], 4),
+])
+def test_dp_is_exact_on_extreme_values(costs, budget):
+    ks = solve_allocation(costs, budget)
+    assert sum(ks) <= budget and all(1 <= k <= len(costs[0]) for k in ks)
+    assert exact_cost(costs, ks) == exact_brute_force(costs, budget)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_matches_an_exact_brute_force_at_every_scale(seed):
+    """Values n * 2**e with n < 2**53, e for one scale per table: near the largest double (sums overflow
+    without the fix), moderate, and subnormal. Every difference is exact there, so the DP must find
+    the exactly best allocation, ties to the smaller spend as before."""
+    rng = random.Random(seed)
+    scale = seed % 3
+    num_layers, k_orig = rng.randint(1, 4), rng.randint(1, 4)
+
+    def value():
+        if scale == 0:
+            return float(rng.randint(2**52, 2**53 - 1) * 2.0**971)
+        if scale == 1:
+            return float(rng.randint(1, 2**20))
+        return rng.randint(0, 2**20) * TINY
+
+    costs = [[value() for _ in range(k_orig)] for _ in range(num_layers)]
+    for budget in range(num_layers, num_layers * k_orig + 1):
+        ks = solve_allocation(costs, budget)
+        assert sum(ks) <= budget and all(1 <= k <= k_orig for k in ks)
+        assert exact_cost(costs, ks) == exact_brute_force(costs, budget)
+
+
+def test_a_profile_of_1e308s_makes_a_valid_plan(tiny_folder):
+    """Through allocate: the plan is written, not "the plan to write is invalid ... this is a bug"."""
+    from allocmoe import allocate, load_model
+    from allocmoe.core.plan import Plan, model_fingerprint
+
+    model, _ = load_model(tiny_folder)
+    fp = model_fingerprint(model)
+    profile = {"format_version": 1, "model": fp, "k_orig": fp["k_orig"], "num_layers": fp["num_moe_layers"],
+               "metric": "perplexity", "calibration": {"text": "x", "sha256": "0" * 16, "tokens_scored": 64,
+                                                       "windows": 4, "seq_len": 16, "max_tokens": 64, "batch_size": 4},
+               "sensitivity": [[1e308] * fp["k_orig"] for _ in range(fp["num_moe_layers"])]}
+    for method in ("alloc-l", "alloc-moe"):
+        plan = allocate(0.5, method, profile=profile, model=model)
+        assert Plan.from_dict(plan.to_document()).layers == plan.layers
+        assert sum(plan.k_per_layer().values()) <= plan.budget
