@@ -96,6 +96,10 @@ def assert_valid_plan_document(doc: dict) -> None:
     spend = budget["activations_per_token"]
     assert is_number(spend) and fp["num_moe_layers"] * (1 - 1e-9) <= spend <= budget["full"] * (1 + 1e-9)
     assert budget["full"] == fp["num_moe_layers"] * fp["k_orig"] and is_number(budget["fraction"]) and budget["fraction"] > 0
+    # issue 39: the budget agrees with the layers (fixed spends counted, the rest at their least) and itself
+    least = sum(e["k"] if e["policy"] in ("top-k", "alloc-t") else e.get("k_floor", 1) if e["policy"] == "distinct"
+                else 1 for e in doc["layers"].values())
+    assert least <= spend * (1 + 1e-9) and abs(budget["fraction"] - spend / budget["full"]) <= 1e-6
 
 
 def assert_valid_profile_document(doc: dict) -> None:
@@ -434,3 +438,49 @@ def test_documents_built_in_python_are_held_to_the_same_depth():
             build(doc)
         doc["provenance"] = {"ok": [[[[1]]]]}
         build(doc)
+
+
+# -- issue 39: a plan's declared budget agrees with its layers ------------------------------------------
+
+def _with(layers: dict, spend: float, fraction: float | None = None) -> dict:
+    doc = valid_plan()
+    doc["layers"] = layers
+    doc["budget"] = {"activations_per_token": spend, "full": 12, "fraction": spend / 12 if fraction is None else fraction}
+    return doc
+
+
+FULL_K = {str(i): {"policy": "top-k", "k": 4} for i in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("doc,message", [
+    (_with(FULL_K, 6.0), "the layers spend at least 12 activations per token but budget.activations_per_token says 6"),
+    (_with({str(i): {"policy": "alloc-t", "k": 2.5} for i in (1, 2, 3)}, 7.0), "spend at least 7.5"),
+    (_with({"1": {"policy": "top-k", "k": 4}, "2": {"policy": "top-k", "k": 4}, "3": {"policy": "top-p", "p": 1.0}},
+           8.5), "spend at least 9"),
+    (_with({str(i): {"policy": "distinct", "max_experts": 8, "k_floor": 4} for i in (1, 2, 3)}, 6.0),
+     "spend at least 12"),
+    (_with({str(i): {"policy": "top-k", "k": 2} for i in (1, 2, 3)}, 6.0, fraction=0.9),
+     "budget.fraction 0.9 is not activations_per_token / full = 0.5"),
+])
+def test_a_plan_whose_budget_disagrees_with_its_layers_is_refused(doc, message, tmp_path, capsys):
+    """A plan saying 0.5 while every layer runs at full K was accepted and ran at full cost (and export's
+    engine-wide k, which reads the budget, would have been wrong): the fixed spends of its layers (top-k,
+    alloc-t k; a distinct layer's k_floor; one expert for top-p and naee) must fit the declared budget."""
+    with pytest.raises(AllocMoeError, match=message.replace("(", r"\(")):
+        Plan.from_dict(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    code, err = run_cli(["export", "--format", "vllm-global", "--plan", str(path)], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("doc", [
+    _with({str(i): {"policy": "top-k", "k": 2} for i in (1, 2, 3)}, 6.0),
+    _with({str(i): {"policy": "top-k", "k": 1} for i in (1, 2, 3)}, 6.5),         # spends less than allowed
+    _with({str(i): {"policy": "alloc-t", "k": 2.0 + 1 / 3} for i in (1, 2, 3)}, 7.0),   # rounding of B / L
+    _with({str(i): {"policy": "top-p", "p": 0.5, "k": 4.0} for i in (1, 2, 3)}, 3.0),   # measured k: informational
+    _with({str(i): {"policy": "distinct", "max_experts": 2} for i in (1, 2, 3)}, 12.0),
+    _with(FULL_K, 12.0, fraction=1.0000004),                                        # written rounded to 6 places
+])
+def test_plans_whose_budget_covers_their_layers_load(doc):
+    Plan.from_dict(doc)
