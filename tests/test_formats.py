@@ -397,8 +397,10 @@ DEEP = "[" * 100_000 + "]" * 100_000
     (_plan_text(**{'"provenance": {': '"provenance": {"x": -Infinity, '}), "-Infinity is not a JSON number"),
     (_plan_text(**{'"provenance": {': '"provenance": {"x": 1e400, '}), "the number 1e400 is too large"),
     (_plan_text(**{'"provenance": {': '"provenance": {"x": ' + "9" * 5000 + ", "}), "too many for a double"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"\\ud800": 1, '}), "lone surrogate"),
+    (_plan_text(**{'"note": "written by hand"': '"note": "\\udfff"'}), "lone surrogate"),
 ], ids=["brackets", "objects", "provenance", "duplicate-method", "duplicate-k", "nan", "infinity", "1e400",
-        "5000-digits"])
+        "5000-digits", "surrogate-key", "surrogate-value"])
 def test_json_the_standard_refuses_is_one_clear_error(text, message, tmp_path, capsys):
     """100,000 nested brackets were a RecursionError (exit 1 from the CLI), a duplicate key silently
     kept its last value, and NaN/Infinity/1e400 read as Python floats: each is now one AllocMoeError,

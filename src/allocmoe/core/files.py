@@ -136,11 +136,15 @@ def read_utf8(path: str | os.PathLike, what: str, missing_hint: str = "check the
 
 
 MAX_JSON_DEPTH = 64          # no allocmoe file nests deeper than a few levels
+MAX_JSON_BYTES = 1 << 30     # a plan or profile is kilobytes, an eval result with per-item scores megabytes
 
 
 def read_json(path: str | os.PathLike, what: str) -> Any:
     """Read a JSON file, naming `what` it should be in any error."""
     path = existing_file(path, f"{what} file", f"the {what} JSON file")
+    if path.stat().st_size > MAX_JSON_BYTES:
+        raise AllocMoeError(f"{what} file {path} is {path.stat().st_size / 2**30:.1f} GiB, more than any {what} "
+                            f"file allocmoe writes (at most 1 GiB); give the right file")
     try:
         data = path.read_bytes()
     except OSError as exc:
@@ -191,6 +195,13 @@ def _finite_float(text: str) -> float:
     return value
 
 
+def _unicode(text: str) -> None:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _Refused(f"a string holds a lone surrogate ({text[exc.start]!r}), which is not Unicode text") from None
+
+
 def _short_int(text: str) -> int:
     if len(text.lstrip("-")) > 400:                 # past any double; Python would refuse past 4300 digits
         raise _Refused(f"the number {text[:20]}... has {len(text)} digits, too many for a double")
@@ -207,11 +218,19 @@ def json_depth_problem(obj: Any) -> str | None:
 
 
 def _check_depth(obj: Any, source: str) -> Any:
-    """`obj` unchanged, or _Refused if it nests deeper than MAX_JSON_DEPTH (iterative: no recursion)."""
+    """`obj` unchanged, or _Refused if it nests deeper than MAX_JSON_DEPTH (iterative: no recursion) or
+    holds a string that is not Unicode text (a lone surrogate such as "\\ud800", which JSON's escapes
+    allow but no UTF-8 output can print)."""
     stack = [(obj, 1)]
     while stack:
         item, depth = stack.pop()
-        if isinstance(item, (dict, list, tuple)):
+        if isinstance(item, str):
+            _unicode(item)
+        elif isinstance(item, (dict, list, tuple)):
+            if isinstance(item, dict):
+                for key in item:
+                    if isinstance(key, str):
+                        _unicode(key)
             if depth > MAX_JSON_DEPTH:
                 raise _Refused(f"nested more than {MAX_JSON_DEPTH} levels deep")
             stack.extend((child, depth + 1) for child in (item.values() if isinstance(item, dict) else item))
