@@ -122,7 +122,7 @@ def same_file_cases(r: Path, model: Path):
           "--output", text], also + " (--calib-text"),
         # the means file `allocate --output text.json` would write beside the plan is an input
         ([*A, "--profile", profile, "--calib-text", r / "plan.means.safetensors", "--output", plan],
-         "which also writes"),
+         "also writes"),
         (["profile", *m, "--calib-text", text, "--output", text], also + " (--calib-text"),
         (["eval", *m, "--plan", plan, "--output", plan], also + " (--plan"),
         (["eval", *m, "--plan", plan, "--output", r / "link_to_plan.json"], also + " (--plan"),
@@ -243,3 +243,22 @@ def test_a_good_output_beside_its_inputs_is_still_written(inputs, tiny_folder, t
     out.write_text("old")
     main(["export", "--format", "vllm", "--plan", str(inputs / "plan.json"), "--output", str(out)])
     assert "allocmoe" in out.read_text() and sorted(p.name for p in tmp_path.iterdir()) == ["eval.json"]
+
+
+def test_odd_output_names_stay_one_line_and_the_built_in_files_are_inputs(inputs, tiny_folder, tmp_path, capsys,
+                                                                          counted):
+    """A newline in a path must not break the one-line rule; a trailing slash names a folder; the
+    built-in model, texts and tasks inside the package are inputs of every command (the default --model)."""
+    from allocmoe.models import BUILTIN_MODEL
+
+    folders = (inputs, tiny_folder, tmp_path)
+    _refused(["eval", "--model", tiny_folder, "--output", tmp_path / "no\nsuch" / "x.json"], "does not exist",
+             folders, capsys, counted)
+    _refused(["eval", "--model", tiny_folder, "--output", f"{tmp_path}/new/"], "ends with a slash", folders, capsys,
+             counted)
+    _refused(["eval", "--output", BUILTIN_MODEL / "config.json"], "allocmoe's built-in files", folders, capsys,
+             counted)
+    _refused(["sweep", "--output", BUILTIN_MODEL.parent], "is also an input folder (allocmoe's built-in files",
+             folders, capsys, counted)
+    _refused(["profile", "--model", tiny_folder, "--output", tmp_path / ("y" * 250 + ".json")],
+             "partial.json: File name too long", folders, capsys, counted)     # its resume file: a name too long

@@ -15,6 +15,7 @@ import stat
 import sys
 from pathlib import Path
 
+from ..core.files import kind_of, path_stat, shown_path
 from ..errors import AllocMoeError
 from ..texts import OFFLINE_TASKS
 
@@ -62,6 +63,7 @@ def _whole(text: str, least: int) -> int:
     return value
 
 
+BUILTIN_FILES = Path(__file__).resolve().parent.parent / "builtin"    # the built-in model, texts and tasks
 Inputs = "dict[str, str | None] | list[tuple[str, str | None]]"
 
 
@@ -74,9 +76,11 @@ def check_output_file(path: str | None, flag: str = "--output", inputs: Inputs =
     files the command writes beside it (a plan's means file, a `.partial.json`), checked the same way."""
     if path is None:
         return
-    for target in (path, *writes):
-        _check_output_path(target, flag if target == path else f"{flag} {path} (which also writes {target})",
-                           inputs)
+    if str(path).endswith(("/", os.sep)):
+        raise AllocMoeError(f"{flag} {shown_path(path)} ends with a slash, a folder; give a file path")
+    _check_output_path(path, f"{flag} {shown_path(path)}", inputs)
+    for other in writes:
+        _check_output_path(other, f"{flag} {shown_path(path)} also writes {shown_path(other)}, which", inputs)
 
 
 def check_output_dir(path: str | None, flag: str = "--output", inputs: Inputs = (), names: tuple = ()) -> None:
@@ -85,21 +89,19 @@ def check_output_dir(path: str | None, flag: str = "--output", inputs: Inputs = 
     writes into it) would replace one of the command's `inputs` or are not regular files."""
     if path is None:
         return
-    from ..core.files import kind_of, path_stat
-
     st = path_stat(path, flag)
-    target = Path(path)
+    target, said = Path(path), f"{flag} {shown_path(path)}"
     if st is not None and not stat.S_ISDIR(st.st_mode):
-        raise AllocMoeError(f"{flag} {path} is {'a file' if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)}; "
-                            "give a folder path")
-    _refuse_under_a_file(target, flag)
-    for name, given in _pairs(inputs):
+        kind = "a file" if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)
+        raise AllocMoeError(f"{said} is {kind}; give a folder path")
+    _refuse_under_a_file(target, said)
+    for name, given in [*_pairs(inputs), ("allocmoe's built-in files", str(BUILTIN_FILES))]:
         if given and os.path.isdir(given) and _same(target, given):
-            raise AllocMoeError(f"{flag} {path} is also an input folder ({name} {given}); give another folder")
+            raise AllocMoeError(f"{said} is also an input folder ({name} {shown_path(given)}); give another folder")
     if st is not None:
-        _check_folder_writable(target, flag)
+        _check_folder_writable(target, said)
         for name in names:
-            _check_output_path(str(target / name), f"{flag} {path} (which writes {name} into it)", inputs)
+            _check_output_path(str(target / name), f"{said} would replace {name} in it, which", inputs)
 
 
 def plan_inputs(flag: str, plan: str | None) -> list[tuple[str, str | None]]:
@@ -139,33 +141,31 @@ def _same(a, b) -> bool:
         return False
 
 
-def _check_output_path(path: str, flag: str, inputs: Inputs) -> None:
-    from ..core.files import kind_of, path_stat
-
-    st = path_stat(path, flag)
+def _check_output_path(path: str, said: str, inputs: Inputs) -> None:
+    """`said` begins every refusal: "--output X" (then "is ..."), or what names the file in question."""
+    st = path_stat(path, said.split(" ", 1)[0])
     target = Path(path)
     if st is not None and stat.S_ISDIR(st.st_mode):
-        raise AllocMoeError(f"{flag} {path} is a folder; give a file path")
+        raise AllocMoeError(f"{said} is a folder; give a file path")
     if st is not None and not stat.S_ISREG(st.st_mode):
-        raise AllocMoeError(f"{flag} {path} is {kind_of(st.st_mode)}, not a regular file; give the path of a new "
-                            "or regular file")
-    for name, given in _pairs(inputs):
+        raise AllocMoeError(f"{said} is {kind_of(st.st_mode)}, not a regular file; give the path of a new or "
+                            "regular file")
+    for name, given in [*_pairs(inputs), ("allocmoe's built-in files", str(BUILTIN_FILES))]:
         if not given or str(given).startswith(("builtin:", "synthetic:")):
             continue
         if _same(path, given):
-            raise AllocMoeError(f"{flag} {path} is also an input ({name} {given}): writing it would destroy the "
-                                "input; give another output path")
+            raise AllocMoeError(f"{said} is also an input ({name} {shown_path(given)}): writing it would destroy "
+                                "the input; give another output path")
         if st is not None and os.path.isdir(given) and _inside(path, given):
-            raise AllocMoeError(f"{flag} {path} is a file inside an input folder ({name} {given}): writing it "
-                                "would change the input; give a path outside it")
-    _refuse_under_a_file(target, flag)
-    parent = target.parent
-    if path_stat(parent, flag) is None:
-        raise AllocMoeError(f"{flag} {path}: the folder {parent} does not exist; create it or choose "
+            raise AllocMoeError(f"{said} is a file inside an input folder ({name} {shown_path(given)}): writing "
+                                "it would change the input; give a path outside it")
+    _refuse_under_a_file(target, said)
+    if path_stat(target.parent, said.split(" ", 1)[0]) is None:
+        raise AllocMoeError(f"{said}: the folder {shown_path(target.parent)} does not exist; create it or choose "
                             "another path")
-    _check_folder_writable(parent, flag, path)
+    _check_folder_writable(target.parent, said)
     if st is not None and not os.access(path, os.W_OK):
-        raise AllocMoeError(f"{flag} {path} is read-only; make it writable or choose another path")
+        raise AllocMoeError(f"{said} is read-only; make it writable or choose another path")
 
 
 def _inside(path, folder) -> bool:
@@ -175,16 +175,16 @@ def _inside(path, folder) -> bool:
         return False
 
 
-def _check_folder_writable(folder: Path, flag: str, path=None) -> None:
+def _check_folder_writable(folder: Path, said: str) -> None:
     if not os.access(folder, os.W_OK | os.X_OK):
-        raise AllocMoeError(f"{flag} {path or folder}: the folder {folder} is not writable; choose another path")
+        raise AllocMoeError(f"{said}: the folder {shown_path(folder)} is not writable; choose another path")
 
 
-def _refuse_under_a_file(target: Path, flag: str) -> None:
+def _refuse_under_a_file(target: Path, said: str) -> None:
     """The nearest existing folder above `target` must be a folder, not a regular file."""
     parent = next((p for p in target.parents if _exists(p)), None)
     if parent is not None and not parent.is_dir():
-        raise AllocMoeError(f"{flag} {target} lies under {parent}, which is a file; choose another path")
+        raise AllocMoeError(f"{said} lies under {shown_path(parent)}, which is a file; choose another path")
 
 
 def _exists(path: Path) -> bool:

@@ -83,9 +83,15 @@ def path_stat(path: str | os.PathLike, what: str, follow: bool = True) -> os.sta
         raise AllocMoeError(f"{what} {_shown(path)!s} is not a valid path ({exc}); give another path") from None
 
 
-def _shown(path) -> str:
+def shown_path(path) -> str:
+    """A path for a one-line message: quoted when it holds a newline or other unprintable character
+    (the message must stay one line), and cut in the middle when very long (ENAMETOOLONG)."""
     text = str(path)
+    text = text if text.isprintable() else repr(text)
     return text if len(text) <= 120 else text[:60] + "..." + text[-40:]
+
+
+_shown = shown_path
 
 
 def kind_of(mode: int) -> str:
