@@ -172,3 +172,12 @@ def test_a_profile_of_1e308s_makes_a_valid_plan(tiny_folder):
         plan = allocate(0.5, method, profile=profile, model=model)
         assert Plan.from_dict(plan.to_document()).layers == plan.layers
         assert sum(plan.k_per_layer().values()) <= plan.budget
+
+
+@pytest.mark.parametrize("text", ["5_0%", "5 %", "٥%", "1_57", "١٥٧", "0x10", "５%"])
+def test_a_perplexity_target_is_read_in_ascii_only(text):
+    from allocmoe.calibrate.target import parse_target
+
+    with pytest.raises(AllocMoeError, match="is not a number"):
+        parse_target(text, 10.0)
+    assert parse_target("5%", 10.0) == pytest.approx(10.5) and parse_target("157", 10.0) == 157.0

@@ -22,6 +22,17 @@ _DECIMAL = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?"
 _BUDGET_FORM = re.compile(rf"-?(?:{_DECIMAL}%?|[0-9]+/[0-9]+)")
 
 
+def strict_float(raw: str, percent: bool = False) -> float:
+    """`raw` as a float if it is a plain ASCII decimal (0.5, .5, 157, 1e-1; with `percent`, also 5%
+    as 0.05; nan and inf, which the caller refuses as out of range), else ValueError: float() would
+    take "1_0", " 5 " and non-ASCII digits. Other flags that take a number, such as --target-ppl,
+    read it with this."""
+    form = rf"-?(?:{_DECIMAL}|nan|inf|infinity){'%?' if percent else ''}"
+    if not isinstance(raw, str) or len(raw) > 64 or not re.fullmatch(form, raw, re.IGNORECASE | re.ASCII):
+        raise ValueError(f"not a number: {raw!r}")
+    return float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+
+
 def read_fraction_or_count(raw: str) -> tuple[float, bool]:
     """(the number typed, whether it is a fraction): a value with "/" or "%", or a number <= 1, is a
     fraction ("50%" -> 0.5); a number > 1 is a count. The one reading rule of every budget flag
