@@ -262,3 +262,16 @@ def test_odd_output_names_stay_one_line_and_the_built_in_files_are_inputs(inputs
              folders, capsys, counted)
     _refused(["profile", "--model", tiny_folder, "--output", tmp_path / ("y" * 250 + ".json")],
              "partial.json: File name too long", folders, capsys, counted)     # its resume file: a name too long
+
+
+@pytest.mark.parametrize("text", ["1_0", " 4", "4 ", "٤", "４", "+4", "0x4", "4.0", "9" * 40])
+def test_whole_number_flags_are_ascii_digits_only(text):
+    """--batch-size, --calib-tokens, --seq-len, ...: int() would take "1_0", spaces and any Unicode digit."""
+    import argparse
+
+    from allocmoe.cli.common import non_negative_int, positive_int
+
+    for read in (positive_int, non_negative_int):
+        with pytest.raises(argparse.ArgumentTypeError, match="must be a whole number"):
+            read(text)
+    assert positive_int("4") == 4 and non_negative_int("0") == 0 and positive_int("0010") == 10

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import stat
 import sys
 from pathlib import Path
@@ -54,7 +55,10 @@ def non_negative_int(text: str) -> int:
 
 
 def _whole(text: str, least: int) -> int:
+    """ASCII digits only: int() would also take "1_0", " 4 " and "٤" (an Arabic-Indic four)."""
     try:
+        if not re.fullmatch(r"-?[0-9]{1,30}", text, re.ASCII):
+            raise ValueError(text)
         value = int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a whole number, got {text!r}") from None
