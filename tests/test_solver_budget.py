@@ -157,6 +157,12 @@ def test_dp_matches_an_exact_brute_force_at_every_scale(seed):
         assert exact_cost(costs, ks) == exact_brute_force(costs, budget)
 
 
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), "4", None])
+def test_dp_refuses_a_budget_that_is_not_a_finite_number(budget):
+    with pytest.raises(AllocMoeError, match="must be a finite number"):
+        solve_allocation([[2.0, 1.0]] * 3, budget)
+
+
 def test_a_profile_of_1e308s_makes_a_valid_plan(tiny_folder):
     """Through allocate: the plan is written, not "the plan to write is invalid ... this is a bug"."""
     from allocmoe import allocate, load_model

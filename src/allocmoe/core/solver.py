@@ -31,6 +31,9 @@ def solve_allocation(costs: Sequence[Sequence[float]], budget: float) -> list[in
         raise AllocMoeError("the sensitivity table must be a non-empty L x K table")
     if not np.all(np.isfinite(table)):
         raise AllocMoeError("the sensitivity table holds NaN or infinite values; re-profile the model")
+    if not isinstance(budget, (int, float, np.integer, np.floating)) or not math.isfinite(budget):
+        raise AllocMoeError(f"budget {budget!r} must be a finite number of activations per token; give a count "
+                            f"between {table.shape[0]} and {table.size}")
     table = relative_costs(table)
     num_layers, k_orig = table.shape
     total = min(int(math.floor(budget + 1e-9)), num_layers * k_orig)
