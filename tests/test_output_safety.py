@@ -275,3 +275,17 @@ def test_whole_number_flags_are_ascii_digits_only(text):
         with pytest.raises(argparse.ArgumentTypeError, match="must be a whole number"):
             read(text)
     assert positive_int("4") == 4 and non_negative_int("0") == 0 and positive_int("0010") == 10
+
+
+def test_a_long_but_valid_output_name_is_written(inputs, tmp_path):
+    """250 bytes is a valid name, but the temporary file beside it once took the name plus 14 bytes:
+    the write failed at the very end (exit 1), after all the work."""
+    out = tmp_path / ("z" * 250)
+    main(["export", "--format", "vllm", "--plan", str(inputs / "plan.json"), "--output", str(out)])
+    assert out.is_file() and [p.name for p in tmp_path.iterdir()] == [out.name]
+
+
+def test_a_folder_output_name_too_long_for_its_temporary_folder_is_refused_first(inputs, tiny_folder, tmp_path,
+                                                                                 capsys, counted):
+    _refused(["sweep", "--model", tiny_folder, "--output", tmp_path / ("s" * 240)], "give a shorter name",
+             (inputs, tiny_folder, tmp_path), capsys, counted)

@@ -187,3 +187,9 @@ def test_a_perplexity_target_is_read_in_ascii_only(text):
     with pytest.raises(AllocMoeError, match="is not a number"):
         parse_target(text, 10.0)
     assert parse_target("5%", 10.0) == pytest.approx(10.5) and parse_target("157", 10.0) == 157.0
+
+
+@pytest.mark.parametrize("text", ["-0", "-0.0", "-0%", "-0/1", "0e5", "-0e-5"])
+def test_negative_zero_is_not_a_budget(text):
+    with pytest.raises(AllocMoeError, match="must be positive"):
+        Budget.parse(text, num_layers=26, k_orig=6)

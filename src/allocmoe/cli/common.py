@@ -95,6 +95,9 @@ def check_output_dir(path: str | None, flag: str = "--output", inputs: Inputs = 
         return
     st = path_stat(path, flag)
     target, said = Path(path), f"{flag} {shown_path(path)}"
+    if len(os.fsencode(target.name)) > 200:     # its files are first written to a hidden temporary folder beside it
+        raise AllocMoeError(f"{said}: the folder name is {len(os.fsencode(target.name))} bytes long, more than the "
+                            "200 allocmoe can write beside; give a shorter name")
     if st is not None and not stat.S_ISDIR(st.st_mode):
         kind = "a file" if stat.S_ISREG(st.st_mode) else kind_of(st.st_mode)
         raise AllocMoeError(f"{said} is {kind}; give a folder path")

@@ -34,9 +34,13 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = None
     try:             # mkstemp inside the try: an interrupt right after it still removes the file
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+        # the temporary name is short whatever `path` is: a name near the system's 255-byte limit must
+        # not fail here, after the work, when the name itself was accepted before it
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name[:64]}.", suffix=".tmp")
         with os.fdopen(fd, "wb") as f:
             f.write(data)
+            f.flush()
+            os.fsync(f.fileno())                # the data is on disk before the rename makes it the file
         os.chmod(tmp, 0o666 & ~UMASK)          # mkstemp makes 0600; give the usual permissions
         os.replace(tmp, path)
     except BaseException:
