@@ -97,7 +97,7 @@ def assert_valid_plan_document(doc: dict) -> None:
     assert is_number(spend) and fp["num_moe_layers"] * (1 - 1e-9) <= spend <= budget["full"] * (1 + 1e-9)
     assert budget["full"] == fp["num_moe_layers"] * fp["k_orig"] and is_number(budget["fraction"]) and budget["fraction"] > 0
     # issue 39: the budget agrees with the layers (fixed spends counted, the rest at their least) and itself
-    least = sum(e["k"] if e["policy"] in ("top-k", "alloc-t") else e.get("k_floor", 1) if e["policy"] == "distinct"
+    least = sum(e["k"] if e["policy"] in ("top-k", "alloc-t") else fp["k_orig"] if e["policy"] == "distinct"
                 else 1 for e in doc["layers"].values())
     assert least <= spend * (1 + 1e-9) and abs(budget["fraction"] - spend / budget["full"]) <= 1e-6
 
@@ -459,15 +459,17 @@ FULL_K = {str(i): {"policy": "top-k", "k": 4} for i in (1, 2, 3)}
     (_with({str(i): {"policy": "alloc-t", "k": 2.5} for i in (1, 2, 3)}, 7.0), "spend at least 7.5"),
     (_with({"1": {"policy": "top-k", "k": 4}, "2": {"policy": "top-k", "k": 4}, "3": {"policy": "top-p", "p": 1.0}},
            8.5), "spend at least 9"),
-    (_with({str(i): {"policy": "distinct", "max_experts": 8, "k_floor": 4} for i in (1, 2, 3)}, 6.0),
+    (_with({str(i): {"policy": "distinct", "max_experts": 8, "k_floor": 1} for i in (1, 2, 3)}, 6.0),
      "spend at least 12"),
+    (_with({"1": {"policy": "distinct", "max_experts": 2}, "2": {"policy": "top-k", "k": 1},
+            "3": {"policy": "naee", "beta": 0.5}}, 5.0), "spend at least 6"),
     (_with({str(i): {"policy": "top-k", "k": 2} for i in (1, 2, 3)}, 6.0, fraction=0.9),
      "budget.fraction 0.9 is not activations_per_token / full = 0.5"),
 ])
 def test_a_plan_whose_budget_disagrees_with_its_layers_is_refused(doc, message, tmp_path, capsys):
     """A plan saying 0.5 while every layer runs at full K was accepted and ran at full cost (and export's
     engine-wide k, which reads the budget, would have been wrong): the fixed spends of its layers (top-k,
-    alloc-t k; a distinct layer's k_floor; one expert for top-p and naee) must fit the declared budget."""
+    alloc-t k; a distinct layer K_orig; one expert for top-p and naee) must fit the declared budget."""
     with pytest.raises(AllocMoeError, match=message.replace("(", r"\(")):
         Plan.from_dict(doc)
     path = tmp_path / "plan.json"

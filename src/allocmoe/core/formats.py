@@ -168,27 +168,29 @@ class PlanDocument(Document):
         if not fp.num_moe_layers * (1 - 1e-9) <= spend <= full * (1 + 1e-9):
             raise ValueError(f"budget.activations_per_token {spend:g} is outside [{fp.num_moe_layers}, {full}] "
                              "(every MoE layer keeps at least one expert, none more than k_orig)")
-        least = least_spend(self.layers.values())
+        least = least_spend(self.layers.values(), fp.k_orig)
         if least > spend * (1 + 1e-9):
             raise ValueError(f"the layers spend at least {least:g} activations per token but "
                              f"budget.activations_per_token says {spend:g} (top-k and alloc-t layers spend their "
-                             "k, every other layer at least one expert, or its k_floor)")
+                             "k, distinct layers up to k_orig, top-p and naee layers at least one expert)")
         if abs(self.budget.fraction - spend / full) > 1e-6:
             raise ValueError(f"budget.fraction {self.budget.fraction:g} is not activations_per_token / full "
                              f"= {spend / full:.6g}")
         return self
 
 
-def least_spend(entries) -> float:
-    """The fewest activations per token a plan's layers can spend: a top-k or alloc-t layer its k
-    (fixed, whatever the text), a distinct layer its k_floor, a top-p or naee layer one expert (their
-    spend depends on the text; `k` there is only what calibration measured)."""
+def least_spend(entries, k_orig: int) -> float:
+    """What a plan's budget must cover, per token: a top-k or alloc-t layer its k (fixed, whatever the
+    text); a distinct layer K_orig (it caps distinct experts per decode step, not activations: a token
+    keeps all K_orig of its experts whenever they fit, so allocmoe writes such plans at the full
+    budget); a top-p or naee layer one expert (their spend depends on the text, and their budget is
+    the average calibration measured, which `k` records for information)."""
     total = 0.0
     for entry in entries:
         if entry.policy in ("top-k", "alloc-t"):
             total += entry.k
         elif entry.policy == "distinct":
-            total += entry.k_floor
+            total += k_orig
         else:
             total += 1
     return total
