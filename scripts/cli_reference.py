@@ -44,6 +44,16 @@ Every `allocmoe` command and flag, with its default. This page is generated from
   (`allocmoe: warning: --output-json is deprecated; use --output`): `--output-json` and
   `--output-dir` (now `--output`), `--max-tokens` (now `--calib-tokens` or `--eval-tokens`, by
   command) and `--calib-max-tokens` (now `--calib-tokens`). Each command below lists its own.
+- **Outputs never destroy anything**: before any work, `--output` is refused when it is empty, a name
+  the system cannot take (too long), a device, FIFO or socket (only an absent or regular file is
+  replaced; a folder output must be absent or a folder), read-only, or one of the command's inputs
+  through any link or hard link (`allocate --profile P --output P`, `eval --plan P --output P`, the
+  plan's means file, `--text`/`--calib-text`, a file inside `--model`). Files are written to a
+  temporary file and renamed into place: never half-written. Input files must be regular files (a
+  FIFO is refused, never waited on).
+- **Budgets** (`--budget`, `--max-distinct-experts`, a request's budget) are read in the documented
+  ASCII forms only: a fraction of full `0.5`, `.5`, `1/2`, `50%`, or a count `78` (`78.0`, `7.8e1`);
+  no spaces, no `_`, no other digits (`1_0`, `50 %`, `١` are refused).
 - **Required** flags say so in the default column; `(--a A | --b B)` in a usage line means exactly
   one of the two.
 - `allocmoe --version` prints the version; `allocmoe COMMAND --help` prints the flags below.

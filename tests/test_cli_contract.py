@@ -348,6 +348,49 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*X, "--plan", plan, "--arch", "llama"], "--arch applies only to --format llama.cpp"),
         Row(["export", "--format", "llama.cpp", "--plan", plan, "--arch", ""], "--arch is empty"),
         Row([*X, "--plan", plan, "--model", ""], "--model is empty"),
+        # -- issue 39: outputs and files ---------------------------------------------------------------
+        *outputs_and_files(m, f, plan, other_profile),
+    ]
+
+
+def outputs_and_files(m: list[str], f, plan: str, other_profile: str) -> list[Row]:
+    """No output may be an input, a device, FIFO or socket, an empty path or a name too long; budgets
+    are the documented ASCII forms only (more in tests/test_output_safety.py)."""
+    also, device, long_name = "is also an input (", "is a device", "x" * 300 + ".json"
+    short, means = f("short.txt"), f("plan.means.safetensors")
+    A = ["allocate", *m, "--method", "uniform"]
+    B = ["bench", *m, "--input-len", "16", "--output-len", "4"]
+    return [
+        Row([*A, "--budget", "0.5", "--profile", other_profile, "--output", other_profile], also + "--profile"),
+        Row([*A, "--budget", "0.5", "--calib-text", short, "--output", short], also + "--calib-text"),
+        Row(["profile", *m, "--calib-text", short, "--output", short], also + "--calib-text"),
+        Row(["eval", *m, "--plan", plan, "--output", plan], also + "--plan"),
+        Row(["eval", *m, "--plan", plan, "--output", means], also + "--plan's means file"),
+        Row(["eval", *m, "--text", short, "--output", short], also + "--text"),
+        Row(["eval", *m, "--output", str(Path(m[1]) / "config.json")], "inside an input folder (--model"),
+        Row([*B, "--plan", plan, "--output", plan], also + "--plan"),
+        Row(["export", "--format", "vllm", "--plan", plan, "--output", plan], also + "--plan"),
+        Row(["compare", plan, plan, "--output", plan], also + "A "),
+        Row(["sweep", *m, "--output", m[1]], "is also an input folder (--model"),
+        Row(["profile", *m, "--output", "/dev/null"], device),
+        Row([*A, "--budget", "0.5", "--output", "/dev/null"], device),
+        Row(["eval", *m, "--output", "/dev/null"], device),
+        Row([*B, "--plan", plan, "--output", "/dev/null"], device),
+        Row(["export", "--format", "vllm", "--plan", plan, "--output", "/dev/null"], device),
+        Row(["compare", plan, plan, "--output", "/dev/null"], device),
+        Row(["sweep", *m, "--output", "/dev/null"], device),
+        Row(["analyze", *m, "--plan", plan, "--output", "/dev/null"], device),
+        Row(["profile", *m, "--output", ""], "--output is an empty path"),
+        Row(["eval", *m, "--output", ""], "--output is an empty path"),
+        Row(["sweep", *m, "--output", ""], "--output is an empty path"),
+        Row(["profile", *m, "--output", f(long_name)], "too long"),
+        Row(["eval", *m, "--plan", "/dev/null"], "is a device, not a regular file"),
+        Row(["eval", *m, "--plan", f(long_name)], "too long"),
+        Row([*A, "--budget", "1_0", "--output", f("p.json")], "is not a number"),
+        Row([*A, "--budget", "50 %", "--output", f("p.json")], "is not a number"),
+        Row([*A, "--budget", "\u0661", "--output", f("p.json")], "is not a number"),
+        Row([*B, "--budget", "\u0665\u0660%"], "is not a number"),
+        Row(["allocate", *m, "--max-distinct-experts", "1_0", "--output", f("p.json")], "is not a number"),
     ]
 
 

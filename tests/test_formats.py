@@ -96,6 +96,10 @@ def assert_valid_plan_document(doc: dict) -> None:
     spend = budget["activations_per_token"]
     assert is_number(spend) and fp["num_moe_layers"] * (1 - 1e-9) <= spend <= budget["full"] * (1 + 1e-9)
     assert budget["full"] == fp["num_moe_layers"] * fp["k_orig"] and is_number(budget["fraction"]) and budget["fraction"] > 0
+    # issue 39: the budget agrees with the layers (fixed spends counted, the rest at their least) and itself
+    least = sum(e["k"] if e["policy"] in ("top-k", "alloc-t") else fp["k_orig"] if e["policy"] == "distinct"
+                else 1 for e in doc["layers"].values())
+    assert least <= spend * (1 + 1e-9) and abs(budget["fraction"] - spend / budget["full"]) <= 1e-6
 
 
 def assert_valid_profile_document(doc: dict) -> None:
@@ -366,3 +370,121 @@ def test_fuzzed_profile_files_through_the_cli(doc, tmp_path, capsys):
     else:
         assert code == 0 and accepted and out.exists(), err
         assert_valid_plan_document(json.loads(out.read_text()))
+
+
+# -- issue 39: JSON as the standard reads it, never a raw exception --------------------------------------
+
+def _plan_text(**replace) -> str:
+    text = json.dumps(valid_plan())
+    for old, new in replace.items():
+        assert old in text
+        text = text.replace(old, new, 1)
+    return text
+
+
+DEEP = "[" * 100_000 + "]" * 100_000
+
+
+@pytest.mark.parametrize("text,message", [
+    (DEEP, "nested more than 64 levels deep"),
+    ('{"a":' * 100_000 + "1" + "}" * 100_000, "nested more than 64 levels deep"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": ' + "[" * 65 + "]" * 65 + ", "}),
+     "nested more than 64 levels deep"),
+    (_plan_text(**{'"method": "hand"': '"method": "hand", "method": "alloc-moe"'}),
+     "the key 'method' appears twice in one object"),
+    (_plan_text(**{'"k": 2}': '"k": 2, "k": 4}'}), "the key 'k' appears twice"),
+    (_plan_text(**{'"p": 0.9': '"p": NaN'}), "NaN is not a JSON number"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": -Infinity, '}), "-Infinity is not a JSON number"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": 1e400, '}), "the number 1e400 is too large"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"x": ' + "9" * 5000 + ", "}), "too many for a double"),
+    (_plan_text(**{'"provenance": {': '"provenance": {"\\ud800": 1, '}), "lone surrogate"),
+    (_plan_text(**{'"note": "written by hand"': '"note": "\\udfff"'}), "lone surrogate"),
+], ids=["brackets", "objects", "provenance", "duplicate-method", "duplicate-k", "nan", "infinity", "1e400",
+        "5000-digits", "surrogate-key", "surrogate-value"])
+def test_json_the_standard_refuses_is_one_clear_error(text, message, tmp_path, capsys):
+    """100,000 nested brackets were a RecursionError (exit 1 from the CLI), a duplicate key silently
+    kept its last value, and NaN/Infinity/1e400 read as Python floats: each is now one AllocMoeError,
+    from Plan.load, load_profile and the CLI alike."""
+    path = tmp_path / "doc.json"
+    path.write_text(text)
+    with pytest.raises(AllocMoeError, match=message) as exc:
+        Plan.load(path)
+    assert "\n" not in str(exc.value) and "recreate it" in str(exc.value)
+    with pytest.raises(AllocMoeError, match=message):
+        load_profile(path)
+    for argv in (["export", "--format", "vllm", "--plan", str(path)],
+                 ["allocate", "--profile", str(path), "--method", "alloc-l", "--budget", "0.5", "--output",
+                  str(tmp_path / "out.json")]):
+        code, err = run_cli(argv, capsys)
+        lines = [line for line in err.splitlines() if line.strip()]
+        assert code == 2 and len(lines) == 1 and message in lines[0] and "Traceback" not in err, err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["doc.json"]
+
+
+def test_a_profile_with_a_duplicate_key_is_refused(tmp_path):
+    text = json.dumps(valid_profile()).replace('"metric": "perplexity"', '"metric": "perplexity", "metric": "x"')
+    (tmp_path / "p.json").write_text(text)
+    with pytest.raises(AllocMoeError, match="the key 'metric' appears twice"):
+        load_profile(tmp_path / "p.json")
+
+
+def test_documents_built_in_python_are_held_to_the_same_depth():
+    """Plan.from_dict and checked_profile take dicts from Python too: a deep provenance there would
+    exhaust the recursion of whatever walks it later (saving it, printing it)."""
+    deep = []
+    for _ in range(100_000):
+        deep = [deep]
+    for build, doc in ((Plan.from_dict, valid_plan()), (checked_profile, valid_profile())):
+        doc["provenance"] = {"deep": deep}
+        with pytest.raises(AllocMoeError, match="nested more than 64 levels deep"):
+            build(doc)
+        doc["provenance"] = {"ok": [[[[1]]]]}
+        build(doc)
+
+
+# -- issue 39: a plan's declared budget agrees with its layers ------------------------------------------
+
+def _with(layers: dict, spend: float, fraction: float | None = None) -> dict:
+    doc = valid_plan()
+    doc["layers"] = layers
+    doc["budget"] = {"activations_per_token": spend, "full": 12, "fraction": spend / 12 if fraction is None else fraction}
+    return doc
+
+
+FULL_K = {str(i): {"policy": "top-k", "k": 4} for i in (1, 2, 3)}
+
+
+@pytest.mark.parametrize("doc,message", [
+    (_with(FULL_K, 6.0), "the layers spend at least 12 activations per token but budget.activations_per_token says 6"),
+    (_with({str(i): {"policy": "alloc-t", "k": 2.5} for i in (1, 2, 3)}, 7.0), "spend at least 7.5"),
+    (_with({"1": {"policy": "top-k", "k": 4}, "2": {"policy": "top-k", "k": 4}, "3": {"policy": "top-p", "p": 1.0}},
+           8.5), "spend at least 9"),
+    (_with({str(i): {"policy": "distinct", "max_experts": 8, "k_floor": 1} for i in (1, 2, 3)}, 6.0),
+     "spend at least 12"),
+    (_with({"1": {"policy": "distinct", "max_experts": 2}, "2": {"policy": "top-k", "k": 1},
+            "3": {"policy": "naee", "beta": 0.5}}, 5.0), "spend at least 6"),
+    (_with({str(i): {"policy": "top-k", "k": 2} for i in (1, 2, 3)}, 6.0, fraction=0.9),
+     "budget.fraction 0.9 is not activations_per_token / full = 0.5"),
+])
+def test_a_plan_whose_budget_disagrees_with_its_layers_is_refused(doc, message, tmp_path, capsys):
+    """A plan saying 0.5 while every layer runs at full K was accepted and ran at full cost (and export's
+    engine-wide k, which reads the budget, would have been wrong): the fixed spends of its layers (top-k,
+    alloc-t k; a distinct layer K_orig; one expert for top-p and naee) must fit the declared budget."""
+    with pytest.raises(AllocMoeError, match=message.replace("(", r"\(")):
+        Plan.from_dict(doc)
+    path = tmp_path / "plan.json"
+    path.write_text(json.dumps(doc))
+    code, err = run_cli(["export", "--format", "vllm-global", "--plan", str(path)], capsys)
+    assert code == 2 and message in err and len(err.strip().splitlines()) == 1, err
+
+
+@pytest.mark.parametrize("doc", [
+    _with({str(i): {"policy": "top-k", "k": 2} for i in (1, 2, 3)}, 6.0),
+    _with({str(i): {"policy": "top-k", "k": 1} for i in (1, 2, 3)}, 6.5),         # spends less than allowed
+    _with({str(i): {"policy": "alloc-t", "k": 2.0 + 1 / 3} for i in (1, 2, 3)}, 7.0),   # rounding of B / L
+    _with({str(i): {"policy": "top-p", "p": 0.5, "k": 4.0} for i in (1, 2, 3)}, 3.0),   # measured k: informational
+    _with({str(i): {"policy": "distinct", "max_experts": 2} for i in (1, 2, 3)}, 12.0),
+    _with(FULL_K, 12.0, fraction=1.0000004),                                        # written rounded to 6 places
+])
+def test_plans_whose_budget_covers_their_layers_load(doc):
+    Plan.from_dict(doc)

@@ -65,3 +65,131 @@ def test_budget_parses_fractions_and_counts(text, count):
 def test_bad_budgets_are_refused_with_the_reason(text, message):
     with pytest.raises(AllocMoeError, match=message):
         Budget.parse(text, num_layers=26, k_orig=6)
+
+
+@pytest.mark.parametrize("text", ["1_0", "1_000", "50 %", "5 0", " 0.5", "0.5 ", "0.5\n", "١", "٥٠%", "０.５",
+                                  "1/2 ", "1 / 2", "½", "0x10", "1e", "e5", ".", "%", "/2", "1/", "1.5/3", "+0.5",
+                                  "inf", "Infinity", "nan", "0.5%%", "1e99999", "9" * 100, "1/2/3", "50%/2"])
+def test_only_the_documented_ascii_budget_forms_are_read(text):
+    """Python's float() and Fraction() take underscores, spaces and any Unicode digit: "١" (Arabic-Indic
+    one) was read as the full budget. Only 0.5, 1/2, 50% and counts, in ASCII, are budgets."""
+    with pytest.raises(AllocMoeError, match="not a number"):
+        Budget.parse(text, num_layers=26, k_orig=6)
+
+
+@pytest.mark.parametrize("text,count", [(".5", 78), ("5e-1", 78), ("7.8e1", 78), ("50.0%", 78), ("62.5%", 97.5),
+                                        ("078", 78), ("2/4", 78), ("1.", 156), (0.5, 78), (78, 78), ("1e3", None)])
+def test_the_documented_forms_still_read(text, count):
+    if count is None:
+        with pytest.raises(AllocMoeError, match="above the full budget"):
+            Budget.parse(text, num_layers=26, k_orig=6)
+        return
+    assert Budget.parse(text, num_layers=26, k_orig=6).activations_per_token == count
+
+
+def test_a_budget_too_large_for_a_float_is_refused_not_a_crash():
+    with pytest.raises(AllocMoeError, match="not a number"):
+        Budget.parse("1e999", num_layers=26, k_orig=6)
+
+
+# -- issue 39: any valid profile is solved exactly, however large or small its values -------------------
+
+def exact_brute_force(costs, budget):
+    """The least exact (rational) total over every allocation within the budget."""
+    from fractions import Fraction
+
+    best = None
+    for ks in itertools.product(range(1, len(costs[0]) + 1), repeat=len(costs)):
+        if sum(ks) <= budget:
+            cost = sum(Fraction(costs[i][k - 1]) for i, k in enumerate(ks))
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+def exact_cost(costs, ks):
+    from fractions import Fraction
+
+    return sum(Fraction(costs[i][k - 1]) for i, k in enumerate(ks))
+
+
+MAX = 1.7976931348623157e308
+BELOW_MAX = 1.7976931348623155e308          # the double just below the largest
+TINY = 5e-324                               # the smallest subnormal
+
+
+@pytest.mark.parametrize("costs,budget", [
+    ([[1e308] * 4] * 3, 6),                                     # was: every sum inf, k 0, "this is a bug"
+    ([[MAX] * 4] * 3, 7),
+    ([[MAX, MAX / 2, MAX / 4, MAX / 8]] * 3, 6),
+    ([[MAX, BELOW_MAX, 1.0, 1.0], [BELOW_MAX, MAX, MAX, 1.0], [MAX, 1.0, 1.0, 1.0]], 7),
+    ([[-MAX, MAX], [MAX, -MAX]], 3),                            # rows spanning more than the largest double
+    ([[TINY * 8, TINY * 4, TINY * 2, TINY]] * 3, 8),
+    ([[TINY, 0.0], [0.0, TINY]], 2),
+    ([[2.2250738585072014e-308, TINY, TINY, 0.0]] * 2, 5),
+    ([[1e308, 1.0], [1.0, 1e308], [1e308, 1e308]], 4),
+])
+def test_dp_is_exact_on_extreme_values(costs, budget):
+    ks = solve_allocation(costs, budget)
+    assert sum(ks) <= budget and all(1 <= k <= len(costs[0]) for k in ks)
+    assert exact_cost(costs, ks) == exact_brute_force(costs, budget)
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_dp_matches_an_exact_brute_force_at_every_scale(seed):
+    """Values n * 2**e with n < 2**53, e for one scale per table: near the largest double (sums overflow
+    without the fix), moderate, and subnormal. Every difference is exact there, so the DP must find
+    the exactly best allocation, ties to the smaller spend as before."""
+    rng = random.Random(seed)
+    scale = seed % 3
+    num_layers, k_orig = rng.randint(1, 4), rng.randint(1, 4)
+
+    def value():
+        if scale == 0:
+            return float(rng.randint(2**52, 2**53 - 1) * 2.0**971)
+        if scale == 1:
+            return float(rng.randint(1, 2**20))
+        return rng.randint(0, 2**20) * TINY
+
+    costs = [[value() for _ in range(k_orig)] for _ in range(num_layers)]
+    for budget in range(num_layers, num_layers * k_orig + 1):
+        ks = solve_allocation(costs, budget)
+        assert sum(ks) <= budget and all(1 <= k <= k_orig for k in ks)
+        assert exact_cost(costs, ks) == exact_brute_force(costs, budget)
+
+
+@pytest.mark.parametrize("budget", [float("nan"), float("inf"), "4", None])
+def test_dp_refuses_a_budget_that_is_not_a_finite_number(budget):
+    with pytest.raises(AllocMoeError, match="must be a finite number"):
+        solve_allocation([[2.0, 1.0]] * 3, budget)
+
+
+def test_a_profile_of_1e308s_makes_a_valid_plan(tiny_folder):
+    """Through allocate: the plan is written, not "the plan to write is invalid ... this is a bug"."""
+    from allocmoe import allocate, load_model
+    from allocmoe.core.plan import Plan, model_fingerprint
+
+    model, _ = load_model(tiny_folder)
+    fp = model_fingerprint(model)
+    profile = {"format_version": 1, "model": fp, "k_orig": fp["k_orig"], "num_layers": fp["num_moe_layers"],
+               "metric": "perplexity", "calibration": {"text": "x", "sha256": "0" * 16, "tokens_scored": 64,
+                                                       "windows": 4, "seq_len": 16, "max_tokens": 64, "batch_size": 4},
+               "sensitivity": [[1e308] * fp["k_orig"] for _ in range(fp["num_moe_layers"])]}
+    for method in ("alloc-l", "alloc-moe"):
+        plan = allocate(0.5, method, profile=profile, model=model)
+        assert Plan.from_dict(plan.to_document()).layers == plan.layers
+        assert sum(plan.k_per_layer().values()) <= plan.budget
+
+
+@pytest.mark.parametrize("text", ["5_0%", "5 %", "٥%", "1_57", "١٥٧", "0x10", "５%"])
+def test_a_perplexity_target_is_read_in_ascii_only(text):
+    from allocmoe.calibrate.target import parse_target
+
+    with pytest.raises(AllocMoeError, match="is not a number"):
+        parse_target(text, 10.0)
+    assert parse_target("5%", 10.0) == pytest.approx(10.5) and parse_target("157", 10.0) == 157.0
+
+
+@pytest.mark.parametrize("text", ["-0", "-0.0", "-0%", "-0/1", "0e5", "-0e-5"])
+def test_negative_zero_is_not_a_budget(text):
+    with pytest.raises(AllocMoeError, match="must be positive"):
+        Budget.parse(text, num_layers=26, k_orig=6)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import math
 from typing import Any, Callable
 
+from ..core.budget import strict_float
 from ..errors import AllocMoeError
 
 
@@ -27,8 +28,8 @@ def parse_target(text: str | float, full_ppl: float) -> float:
     """"5%" -> full_ppl x 1.05; "157" or 157.0 -> 157.0. Refuses what no model could meet or mean."""
     raw = str(text).strip()
     try:
-        value = float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
-    except ValueError:
+        value = strict_float(raw, percent=True)         # ASCII only: no "5_0%", "٥%", "5 %"
+    except (ValueError, OverflowError):
         raise AllocMoeError(f"perplexity target {raw!r} is not a number; give a percentage above the full "
                             "model's calibration perplexity (5%) or a perplexity (157.0)") from None
     if not math.isfinite(value) or value < 0 or (not raw.endswith("%") and value < 1):

@@ -7,6 +7,7 @@ import sys
 
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, add_ray_flags, check_output_file,
+                     output_companions,
                      check_seq_len, check_text_length, inspect, load, non_negative_int, positive_int)
 
 
@@ -72,7 +73,8 @@ def cmd_profile(args) -> None:
     from ..calibrate.profile import ProfileConfig, profile_sensitivity
     from ..texts import read_text
 
-    check_output_file(args.output)
+    check_output_file(args.output, inputs={"--calib-text": args.calib_text, "--model": args.model},
+                      writes=(f"{args.output}.partial.json",))
     text, name = read_text(args.calib_text, "calibration")
     config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
                            progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory,
@@ -97,7 +99,8 @@ def cmd_allocate(args) -> None:
 
     from ..calibrate.target import parse_target
 
-    check_output_file(args.output)
+    check_output_file(args.output, inputs={"--profile": args.profile, "--calib-text": args.calib_text,
+                      "--model": args.model}, writes=output_companions(args.output))
     if args.max_distinct_experts is not None:
         return _allocate_distinct(args)
     for flag, value in (("--decode-batch", args.decode_batch), ("--k-floor", args.k_floor), ("--m-step", args.m_step)):

@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 from ..errors import AllocMoeError
-from .common import add_output, check_output_file
+from .common import add_output, check_output_file, named_plan_inputs, plan_inputs
 
 
 def add_parsers(sub) -> None:
@@ -31,7 +31,7 @@ def cmd_export(args) -> None:
     from ..integrations.vllm_plugin import parse_named_plans
     from ..core.files import atomic_write_bytes
 
-    check_output_file(args.output)
+    check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), *named_plan_inputs(args.request_plan)])
     if not args.model.strip():
         raise AllocMoeError("--model is empty; give the model path or id the engine should serve")
     if args.arch is not None and args.format != "llama.cpp":

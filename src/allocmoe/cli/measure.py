@@ -10,7 +10,7 @@ import torch
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_model_flags, add_output, add_quiet,
                      add_ray_flags, add_task_flags, check_output_dir, check_output_file, check_seq_len, check_text_length,
-                     emit, inspect, load, non_negative_int, positive_int, task_names)
+                     emit, plan_inputs, sweep_inputs, sweep_names, inspect, load, non_negative_int, positive_int, task_names)
 
 
 def add_parsers(sub) -> None:
@@ -94,7 +94,8 @@ def add_parsers(sub) -> None:
 def cmd_eval(args) -> None:
     from ..measure.evaluate.run import evaluate_model
 
-    check_output_file(args.output)
+    check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--text", args.text),
+                      ("--model", args.model), ("--include-path", args.include_path)])
     tasks = task_names(args)
     result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
                             max_tokens=args.eval_tokens, batch_size=args.batch_size,
@@ -126,7 +127,7 @@ def cmd_sweep(args) -> None:
     from ..measure.sweep import SweepConfig, sweep
     from ..texts import read_text
 
-    check_output_dir(args.output)
+    check_output_dir(args.output, inputs=sweep_inputs(args), names=sweep_names(args.profile))
     tasks = task_names(args)
     config = SweepConfig(
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
@@ -163,7 +164,7 @@ def cmd_compare(args) -> None:
     from ..measure.evaluate.paired import compare_results, markdown
     from ..core.files import atomic_write_json, read_json
 
-    check_output_file(args.output)
+    check_output_file(args.output, inputs={"A": args.a, "B": args.b})
     a, b = read_json(args.a, "eval result"), read_json(args.b, "eval result")
     comparison = compare_results(a, b, args.metric, (args.a, args.b))
     print(markdown(comparison, (args.a, args.b), args.metric))
@@ -181,7 +182,8 @@ def cmd_analyze(args) -> None:
     from ..core.plan import Plan
     from ..texts import read_text
 
-    check_output_dir(args.output)
+    check_output_dir(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--text", args.text),
+                     ("--model", args.model)], names=("analysis.json", "analysis.png"))
     text, _ = read_text(args.text, "test")
     plan = Plan.load(args.plan)
     spec = inspect(args)
@@ -231,7 +233,7 @@ def cmd_bench(args) -> None:
     from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
     from ..models import ModelSpec, check_device
 
-    check_output_file(args.output)
+    check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--model", args.model)])
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
                          repeats=args.repeats, warmup=args.warmup)
     given = [flag for flag, value in (("--plan", args.plan), ("--budget", args.budget),

@@ -8,23 +8,43 @@ budget is L * K_orig and the smallest meaningful one is L (every layer keeps one
 from __future__ import annotations
 
 import math
+import re
 from dataclasses import dataclass
 from fractions import Fraction
 
 from ..errors import AllocMoeError
 
 
+_DECIMAL = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?"
+# the documented forms, in ASCII only: 0.5, .5, 78, 78.0, 1e-1 (str() of a float), 50%, 12.5%, 1/2; a
+# leading "-" only so that "-0.5" is told it must be positive. No "_", no spaces, no other digits:
+# Python's float() and Fraction() would take "1_0", "50 %" and "١" (an Arabic-Indic one).
+_BUDGET_FORM = re.compile(rf"-?(?:{_DECIMAL}%?|[0-9]+/[0-9]+)")
+
+
+def strict_float(raw: str, percent: bool = False) -> float:
+    """`raw` as a float if it is a plain ASCII decimal (0.5, .5, 157, 1e-1; with `percent`, also 5%
+    as 0.05; nan and inf, which the caller refuses as out of range), else ValueError: float() would
+    take "1_0", " 5 " and non-ASCII digits. Other flags that take a number, such as --target-ppl,
+    read it with this."""
+    form = rf"-?(?:{_DECIMAL}|nan|inf|infinity){'%?' if percent else ''}"
+    if not isinstance(raw, str) or len(raw) > 64 or not re.fullmatch(form, raw, re.IGNORECASE | re.ASCII):
+        raise ValueError(f"not a number: {raw!r}")
+    return float(raw[:-1]) / 100 if raw.endswith("%") else float(raw)
+
+
 def read_fraction_or_count(raw: str) -> tuple[float, bool]:
     """(the number typed, whether it is a fraction): a value with "/" or "%", or a number <= 1, is a
     fraction ("50%" -> 0.5); a number > 1 is a count. The one reading rule of every budget flag
-    (activations here, distinct experts in calibrate/distinct.py and bench). ValueError if not a number."""
+    (activations here, distinct experts in calibrate/distinct.py and bench). ValueError if not one of
+    the documented forms (_BUDGET_FORM), or too large for a float."""
+    if not isinstance(raw, str) or len(raw) > 64 or not _BUDGET_FORM.fullmatch(raw):
+        raise ValueError(f"not a number: {raw!r}")
     try:
-        if raw.endswith("%"):
-            return float(Fraction(raw[:-1])) / 100, True
-        value = float(Fraction(raw))
-    except (ValueError, ZeroDivisionError, OverflowError):
+        value = float(Fraction(raw[:-1]) / 100 if raw.endswith("%") else Fraction(raw))
+    except (ValueError, ZeroDivisionError, OverflowError):            # 1/0; 1e400, past any float
         raise ValueError(f"not a number: {raw!r}") from None
-    return value, "/" in raw or value <= 1
+    return value, "/" in raw or raw.endswith("%") or value <= 1
 
 
 def round_half_up(x: float) -> int:
@@ -51,15 +71,15 @@ class Budget:
         """Parse "0.5", "1/2", "50%" (fractions of full) or "78" (a count).
 
         Rule: a value with "/" or "%", or a number <= 1, is a fraction of the full budget;
-        a number > 1 is a count of activations per token.
+        a number > 1 is a count of activations per token. ASCII digits only, no spaces or "_".
         """
         full = num_layers * k_orig
-        raw = str(text).strip()
+        raw = str(text)
         try:
             value, is_fraction = read_fraction_or_count(raw)
         except ValueError:
             raise AllocMoeError(
-                f"budget {raw!r} is not a number; give a fraction of the full budget (0.5, 1/2, 50%) "
+                f"budget {raw!r} is not a number in a form allocmoe reads; give a fraction of the full budget (0.5, 1/2, 50%) "
                 f"or a count of activations per token (e.g. {full // 2} of {full})") from None
         count = value * full if is_fraction else value
         if not count > 0 or count != count:

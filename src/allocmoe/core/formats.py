@@ -168,7 +168,32 @@ class PlanDocument(Document):
         if not fp.num_moe_layers * (1 - 1e-9) <= spend <= full * (1 + 1e-9):
             raise ValueError(f"budget.activations_per_token {spend:g} is outside [{fp.num_moe_layers}, {full}] "
                              "(every MoE layer keeps at least one expert, none more than k_orig)")
+        least = least_spend(self.layers.values(), fp.k_orig)
+        if least > spend * (1 + 1e-9):
+            raise ValueError(f"the layers spend at least {least:g} activations per token but "
+                             f"budget.activations_per_token says {spend:g} (top-k and alloc-t layers spend their "
+                             "k, distinct layers up to k_orig, top-p and naee layers at least one expert)")
+        if abs(self.budget.fraction - spend / full) > 1e-6:
+            raise ValueError(f"budget.fraction {self.budget.fraction:g} is not activations_per_token / full "
+                             f"= {spend / full:.6g}")
         return self
+
+
+def least_spend(entries, k_orig: int) -> float:
+    """What a plan's budget must cover, per token: a top-k or alloc-t layer its k (fixed, whatever the
+    text); a distinct layer K_orig (it caps distinct experts per decode step, not activations: a token
+    keeps all K_orig of its experts whenever they fit, so allocmoe writes such plans at the full
+    budget); a top-p or naee layer one expert (their spend depends on the text, and their budget is
+    the average calibration measured, which `k` records for information)."""
+    total = 0.0
+    for entry in entries:
+        if entry.policy in ("top-k", "alloc-t"):
+            total += entry.k
+        elif entry.policy == "distinct":
+            total += k_orig
+        else:
+            total += 1
+    return total
 
 
 def _layer_order(key: str) -> tuple[int, str]:
@@ -225,6 +250,11 @@ def validated(cls: type[Document], data: Any, source: str, version: int, fix: st
     """`data` as a `cls` document, or one AllocMoeError naming the first problem and the fix."""
     if not isinstance(data, dict):
         raise AllocMoeError(f"{source} is not an allocmoe {_kind(cls)} (expected a JSON object); {fix}")
+    from .files import json_depth_problem
+
+    deep = json_depth_problem(data)
+    if deep:
+        raise AllocMoeError(f"{source} is invalid: {deep}; {fix}")
     found = data.get("format_version")
     if type(found) is not int or found != version:          # true and 1.0 are not the version 1
         raise AllocMoeError(f"{source} has format_version {found!r} but this allocmoe reads version {version}; {fix}")

@@ -6,6 +6,12 @@ K_i in [1, K] with sum K_i <= B minimising sum S[i][K_i]:
 answer min over b <= B of DP[L-1][b], then backtrack. O(L * B * K); numpy over b.
 Fractional budgets: the DP spends at most floor(B) (never more than asked). Ties between equal
 totals go to the allocation that spends less, then to the lower layers' earlier choice.
+
+Any finite table is solved, however large its values: each layer's row is taken relative to its
+own minimum (which changes no comparison between allocations: every allocation pays each layer's
+minimum once), so a profile of 1e308s sums zeros, and when even the relative rows could overflow a
+sum of L of them, they are scaled down by a power of two (exact but for the smallest digits, which
+no sum of such magnitudes can resolve anyway). Without this, inf - inf ties left the backtrack a k of 0.
 """
 
 from __future__ import annotations
@@ -25,6 +31,10 @@ def solve_allocation(costs: Sequence[Sequence[float]], budget: float) -> list[in
         raise AllocMoeError("the sensitivity table must be a non-empty L x K table")
     if not np.all(np.isfinite(table)):
         raise AllocMoeError("the sensitivity table holds NaN or infinite values; re-profile the model")
+    if not isinstance(budget, (int, float, np.integer, np.floating)) or not math.isfinite(budget):
+        raise AllocMoeError(f"budget {budget!r} must be a finite number of activations per token; give a count "
+                            f"between {table.shape[0]} and {table.size}")
+    table = relative_costs(table)
     num_layers, k_orig = table.shape
     total = min(int(math.floor(budget + 1e-9)), num_layers * k_orig)
     if total < num_layers:
@@ -48,6 +58,23 @@ def solve_allocation(costs: Sequence[Sequence[float]], budget: float) -> list[in
         ks.append(k)
         spend -= k
     return ks[::-1]
+
+
+def relative_costs(table: np.ndarray) -> np.ndarray:
+    """`table` with each row less its minimum, scaled by a power of two if needed so that a sum of
+    one value per row is finite (every value finite and >= 0; the best allocation unchanged)."""
+    low = table.min(axis=1, keepdims=True)
+    with np.errstate(over="ignore", invalid="ignore"):
+        rel = table - low
+        if not np.all(np.isfinite(rel)):        # a row spanning more than the largest double: halve first
+            rel = np.ldexp(table, -2) - np.ldexp(low, -2)
+    # the largest possible total, computed where it cannot overflow; scale so it stays below 2**1000
+    bound = float(np.sum(np.ldexp(rel.max(axis=1), -64)))
+    if bound > 0:
+        shift = math.ceil(math.log2(bound)) + 64 - 1000
+        if shift > 0:
+            rel = np.ldexp(rel, -shift)
+    return rel
 
 
 def allocation_cost(costs: Sequence[Sequence[float]], ks: Sequence[int]) -> float:
