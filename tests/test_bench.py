@@ -229,9 +229,9 @@ def test_deepseek_v2_lite_shape_has_about_16b_parameters():
 
 
 def test_bench_cli_bad_inputs(capsys, tmp_path):
-    from allocmoe.core.memory import free_memory_bytes
+    from allocmoe.core.memory import available_memory_bytes
 
-    if free_memory_bytes(torch.device("cpu")) > 60 * 2**30:
+    if available_memory_bytes(torch.device("cpu")) > 60 * 2**30:
         pytest.skip("the too-big cases assume a machine of at most 60 GiB free memory (the CI size is 24 GiB)")
     cases = [(["--input-len", "0"], "--input-len: must be above 0"), (["--output-len", "-3"], "--output-len: must be above 0"),
              (["--model", "synthetic:gpt-17"], "unknown synthetic shape"),

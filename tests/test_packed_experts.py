@@ -56,10 +56,10 @@ def test_packing_that_would_not_fit_in_memory_is_refused_before_any_copy(monkeyp
     monkeypatch.setattr(experts_module, "WEIGHTS_FIRST_MIN_ELEMENTS", 0)
     model = build_tiny("deepseek_v2")
     need = sum(p.numel() * 4 for name, p in model.named_parameters() if ".experts." in name)
-    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: need)    # 80% of it is too little
+    monkeypatch.setattr(allocmoe.core.memory, "available_memory_bytes", lambda device, meminfo=None: need)    # 80% of it is too little
     with pytest.raises(AllocMoeError, match="packing the experts needs .* for a second copy of the routed experts"):
         pack_experts(model)
     assert not any(hasattr(m, PACKED_ATTR) for m in model.modules())
-    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: 2 * need)
+    monkeypatch.setattr(allocmoe.core.memory, "available_memory_bytes", lambda device, meminfo=None: 2 * need)
     with pack_experts(model) as handle:
         assert handle.bytes == need

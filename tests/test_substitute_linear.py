@@ -180,7 +180,7 @@ def test_a_fit_whose_moments_would_not_fit_in_memory_is_refused_before_any_pass(
     import allocmoe.core.memory
 
     model = build_tiny("olmoe")
-    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: 100 << 10)   # 100 KiB free
+    monkeypatch.setattr(allocmoe.core.memory, "available_memory_bytes", lambda device, meminfo=None: 100 << 10)   # 100 KiB free
     passes = []
     model.register_forward_pre_hook(lambda module, args: passes.append(1))
     windows = torch.randint(0, COMMON["vocab_size"], (2, 16), generator=torch.Generator().manual_seed(7))
@@ -193,7 +193,7 @@ def test_a_fit_whose_moments_would_not_fit_in_memory_is_refused_before_any_pass(
 def test_the_cli_refuses_a_fit_that_would_not_fit_before_loading(tiny_folder, tmp_path, capsys, monkeypatch):
     import allocmoe.core.memory
 
-    monkeypatch.setattr(allocmoe.core.memory, "free_memory_bytes", lambda device: 100 << 10)
+    monkeypatch.setattr(allocmoe.core.memory, "available_memory_bytes", lambda device, meminfo=None: 100 << 10)
     with pytest.raises(SystemExit) as exit_:
         main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
               "--output", str(tmp_path / "p.json")])

@@ -44,8 +44,6 @@ def available_memory_bytes(device: torch.device, meminfo: str | os.PathLike = ME
     return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
 
 
-free_memory_bytes = available_memory_bytes        # the earlier name, still imported elsewhere
-
 
 def check_free_memory(need: int, device: torch.device, what: str, fix: str, detail: str = "",
                       share: float = 0.8, meminfo: str | os.PathLike | None = None) -> None:
