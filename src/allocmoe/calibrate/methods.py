@@ -35,7 +35,7 @@ from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError
-from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
+from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
@@ -160,7 +160,11 @@ class _CandidateRecorder:
 def _calibration_windows(model, tokenizer, calib_text: str | None, config: AllocateConfig) -> torch.Tensor:
     if calib_text is None or tokenizer is None:
         raise AllocMoeError("this method needs calibration text and a tokenizer")
-    return tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens)
+    default = AllocateConfig.__dataclass_fields__["calib_max_tokens"].default     # "up to": a shorter text is fine
+    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens,
+                               beyond=None if config.calib_max_tokens == default else "calib_max_tokens (--calib-tokens)")
+    check_batch_size(windows, config.batch_size)
+    return windows
 
 
 @torch.no_grad()
@@ -247,6 +251,10 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
         raise AllocMoeError(f"method {method!r} with the substitute or the refinement needs the model, its tokenizer "
                             "and calibration text (model=, tokenizer=, calib_text=); or turn them off "
                             "(--no-substitute --refine 0)")
+    if target_ppl is not None and model is not None:
+        from .target import check_target_reach
+
+        check_target_reach(target_ppl, getattr(model.config, "vocab_size", None))
     if target_ppl is not None:      # after the method's own checks: the search scores a calibration pass first
         return _allocate_for_target(target_ppl, method, profile, model, tokenizer, calib_text, config)
     if method == "auto":

@@ -48,7 +48,7 @@ import torch
 from ..routing.apply import static_plan
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError
-from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
+from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
@@ -134,7 +134,9 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     fingerprint = model_fingerprint(model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     seq_len = window_len(model, config.seq_len)
-    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens)
+    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens,      # the default: "up to"
+                               beyond=None if config.max_tokens == ProfileConfig.max_tokens else "max_tokens (--calib-tokens)")
+    check_batch_size(windows, config.batch_size)
     calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
                    "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
                    "seq_len": int(windows.size(1)), "max_tokens": config.max_tokens, "batch_size": config.batch_size}

@@ -66,9 +66,15 @@ def window_len(model, seq_len: int | None) -> int:
     return int(seq_len)
 
 
-def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
-    """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window)."""
+def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None,
+                     beyond: str | None = None) -> torch.Tensor:
+    """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window).
+    With `beyond` (the flag that set `max_tokens`, e.g. "calib_max_tokens (--calib-tokens)"), a
+    `max_tokens` above the text's tokens is refused instead of read as "all of it"."""
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    if beyond is not None and max_tokens is not None and max_tokens > len(ids) >= MIN_TOKENS:
+        raise AllocMoeError(f"{beyond} {max_tokens} is more than the {len(ids)} tokens the text has; give "
+                            f"{len(ids)} or less, or a longer text")
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < MIN_TOKENS:
@@ -78,6 +84,17 @@ def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None 
     if ids.numel() < seq_len:
         return ids[None, :]
     return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+
+
+DEFAULT_BATCH = 4          # the configs' default windows per pass: taken as "up to 4" on a shorter text
+
+
+def check_batch_size(windows: torch.Tensor, batch_size: int, flag: str = "batch_size (--batch-size)") -> None:
+    """Refuse a batch of more windows than the text gives (the default is read as "up to")."""
+    count, length = windows.shape
+    if batch_size > max(count, DEFAULT_BATCH):
+        raise AllocMoeError(f"{flag} {batch_size} is more than the {count} window(s) of {length} tokens the text "
+                            f"gives; give {count} or less, or a longer text")
 
 
 def check_decode_batch(windows: torch.Tensor, decode_batch: int | None) -> int:
@@ -104,7 +121,9 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
     check_arguments(model, tokenizer, text, windows)
     seq_len = window_len(model, config.seq_len)
     if windows is None:
-        windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens)
+        windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens, beyond="max_tokens (--eval-tokens)")
+    if config.decode_batch is None:
+        check_batch_size(windows, config.batch_size)
     fill = check_decode_batch(windows, config.decode_batch)
     rows = windows.size(0)                                                      # windows scored
     routed = torch.cat([windows, windows[:fill]]) if fill else windows          # [N + fill, S]

@@ -6,7 +6,7 @@ import os
 from typing import Any
 
 from ...routing.apply import apply_plan, static_plan
-from .perplexity import PerplexityConfig, check_decode_batch, evaluate_perplexity, tokenize_windows, window_len
+from .perplexity import PerplexityConfig, check_batch_size, check_decode_batch, evaluate_perplexity, tokenize_windows, window_len
 from ...models import inspect_model
 from ...core.plan import Plan, model_fingerprint
 from ...errors import AllocMoeError
@@ -58,7 +58,10 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
         from .harness import check_tasks
 
         check_tasks(tasks, options.get("include_path"))
-    windows = tokenize_windows(spec.tokenizer(), body, window, max_tokens)    # too short: before the weights
+    windows = tokenize_windows(spec.tokenizer(), body, window, max_tokens,        # too short: before the weights
+                               beyond="max_tokens (--eval-tokens)")
+    if decode_batch is None:
+        check_batch_size(windows, batch_size)
     fill = check_decode_batch(windows, decode_batch)
     net, tok = spec.load()
     fingerprint = model_fingerprint(net)
