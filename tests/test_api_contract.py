@@ -387,3 +387,101 @@ def test_a_plain_mistake_in_a_public_call_is_an_allocmoe_error_before_any_work(i
     assert message in str(exc.value), str(exc.value)
     assert "; " in str(exc.value) and "\n" not in str(exc.value), str(exc.value)
     assert sorted(tmp_path.rglob("*")) == before
+
+
+# -- issue 39: the same refusals in Python and on the command line ------------------------------------------
+def _model_copy(tiny_folder, root, name, config_edit=None, index=None):
+    folder = root / name
+    shutil.copytree(tiny_folder, folder)
+    if config_edit is not None:
+        config = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**config, **config_edit}))
+    if index is not None:
+        (folder / "model.safetensors").rename(folder / "model-00001-of-00001.safetensors")
+        (folder / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": index}))
+    return folder
+
+
+@pytest.mark.parametrize("edit, message", [({"num_experts_per_tok": 0}, "num_experts_per_tok = 0 is outside 1..8"),
+                                           ({"num_experts_per_tok": 1000}, "num_experts_per_tok = 1000 is outside 1..8"),
+                                           ({"num_experts_per_tok": 2.5}, "num_experts_per_tok = 2.5 is outside"),
+                                           ({"num_experts_per_tok": True}, "num_experts_per_tok = True is outside")])
+def test_a_config_whose_top_k_cannot_route_reads_the_same(edit, message, tiny_folder, tmp_path, capsys, no_forward):
+    folder = _model_copy(tiny_folder, tmp_path, "m_topk", edit)
+    api = api_message(lambda: load_model(folder))
+    assert message in api and "restore the model's config.json" in api
+    assert api == cli_line(["eval", "--model", str(folder)], capsys)
+
+
+@pytest.mark.parametrize("entry", ["../plan.json", "/etc/hostname", "sub/../../x.safetensors", "."])
+def test_an_index_naming_a_file_outside_the_model_folder_is_refused_before_reading_it(entry, tiny_folder, tmp_path,
+                                                                                      capsys, no_forward):
+    (tmp_path / "plan.json").write_text("{}")
+    folder = _model_copy(tiny_folder, tmp_path, "m_escape", index={"lm_head.weight": entry,
+                                                                   "model.embed_tokens.weight":
+                                                                       "model-00001-of-00001.safetensors"})
+    api = api_message(lambda: load_model(folder))
+    assert "names weight files outside the model folder" in api and repr(entry) in api
+    assert api == cli_line(["eval", "--model", str(folder)], capsys)
+
+
+def test_an_index_inside_the_folder_still_loads(tiny_folder, tmp_path):
+    from safetensors import safe_open
+
+    with safe_open(str(tiny_folder / "model.safetensors"), "pt") as weights:
+        names = list(weights.keys())
+    folder = _model_copy(tiny_folder, tmp_path, "m_sharded",
+                         index={name: "model-00001-of-00001.safetensors" for name in names})
+    model, _ = load_model(folder)
+    assert model is not None
+
+
+def test_text_that_is_not_text_reads_the_same(tiny_folder, tmp_path, capsys, no_forward):
+    for name, body in (("nul.txt", "\0" * 20000), ("binary.txt", "ab\x01\x02\x03" * 1000)):
+        path = tmp_path / name
+        path.write_text(body)
+        api = api_message(lambda: evaluate_model(tiny_folder, text=path, progress=False))
+        assert "is not text" in api
+        assert api == cli_line(["eval", "--model", str(tiny_folder), "--text", str(path)], capsys)
+        assert api == cli_line(["profile", "--model", str(tiny_folder), "--calib-text", str(path), "--output",
+                                str(tmp_path / "p.json")], capsys)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["binary.txt", "nul.txt"]
+
+
+def test_a_k_base_the_plan_could_not_keep_reads_the_same(setup, tiny_folder, tmp_path, capsys, no_forward):
+    _, model = setup
+    for k_base, said in ((3, "above the 2 expert(s) per token each MoE layer gets at budget 0.5"),
+                         (5, "above this model's K = 4")):
+        api = api_message(lambda: allocate("0.5", "alloc-t", model=model, config={"k_base": k_base}))
+        assert said in api
+        assert api == cli_line(["allocate", "--model", str(tiny_folder), "--budget", "0.5", "--method", "alloc-t",
+                                "--k-base", str(k_base), "--output", str(tmp_path / "p.json")], capsys)
+    plan = allocate("0.5", "alloc-t", model=model, config={"k_base": 2})
+    assert plan.provenance["details"]["k_base"] == 2 and {p.k_base for p in plan.layers.values()} == {2}
+
+
+def test_sizes_past_the_text_read_the_same(setup, tiny_folder, tmp_path, capsys, no_forward):
+    from allocmoe import profile_sensitivity
+    from allocmoe.texts import read_text
+
+    _, model = setup
+    tok = load_model(tiny_folder)[1]
+    text, _ = read_text(None, "calibration")
+    api = api_message(lambda: evaluate_model(tiny_folder, batch_size=10 ** 9, progress=False))
+    assert "is more than the" in api and "window(s)" in api
+    assert api == cli_line(["eval", "--model", str(tiny_folder), "--batch-size", str(10 ** 9)], capsys)
+    api = api_message(lambda: evaluate_model(tiny_folder, max_tokens=10 ** 11, progress=False))
+    assert "tokens the text has" in api
+    assert api == cli_line(["eval", "--model", str(tiny_folder), "--eval-tokens", str(10 ** 11)], capsys)
+    api = api_message(lambda: profile_sensitivity(model, tok, text, {"max_tokens": 10 ** 11, "progress": False}))
+    assert api == cli_line(["profile", "--model", str(tiny_folder), "--calib-tokens", str(10 ** 11), "--output",
+                            str(tmp_path / "p.json")], capsys)
+    api = api_message(lambda: profile_sensitivity(model, tok, text, {"batch_size": 10 ** 9, "progress": False}))
+    assert api == cli_line(["profile", "--model", str(tiny_folder), "--batch-size", str(10 ** 9), "--output",
+                            str(tmp_path / "p.json")], capsys)
+    api = api_message(lambda: allocate(None, "uniform", model=model, tokenizer=tok, calib_text=text,
+                                       target_ppl="1e308"))
+    assert "the perplexity of guessing uniformly" in api
+    assert api == cli_line(["allocate", "--model", str(tiny_folder), "--target-ppl", "1e308", "--method", "uniform",
+                            "--output", str(tmp_path / "p.json")], capsys)
+    assert not list(tmp_path.iterdir())

@@ -74,7 +74,7 @@ def add_parsers(sub) -> None:
                    help="or make a distinct-expert plan: at most M distinct experts per layer and decode step, "
                         "a fraction of the unrestricted union at --batch-size (0.5, 1/2, 50%%; measured on other "
                         "random prompts) or a count (e.g. 32); timed beside uniform top-k")
-    p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t, ascending, descending")
+    p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t (default), ascending, descending")
     p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T k_base (default 1)")
     p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--output-len", type=positive_int, default=32, help="decode steps timed (default 32)")
