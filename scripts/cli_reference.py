@@ -47,7 +47,7 @@ Every `allocmoe` command and flag, with its default. This page is generated from
 - **Values the input cannot hold are refused**, before any pass: `--k-base` above the model's K (or,
   for `alloc-t`, above the experts each layer gets at the budget), `--batch-size` above the windows
   the text gives, `--calib-tokens`/`--eval-tokens` above the tokens the text has (the default 8192
-  reads as "up to"), a `--target-ppl` above the vocabulary size, a text holding NUL or other control
+  reads as "up to"), a `--target-ppl` above 100 x the vocabulary size, a text holding NUL or other control
   characters, a model whose config's top-k is outside 1..its experts, and a shard index naming a
   file outside the model folder.
 - **Deprecated spellings** still work and print one warning line

@@ -481,7 +481,7 @@ def test_sizes_past_the_text_read_the_same(setup, tiny_folder, tmp_path, capsys,
                             str(tmp_path / "p.json")], capsys)
     api = api_message(lambda: allocate(None, "uniform", model=model, tokenizer=tok, calib_text=text,
                                        target_ppl="1e308"))
-    assert "the perplexity of guessing uniformly" in api
+    assert "times the perplexity of guessing uniformly" in api
     assert api == cli_line(["allocate", "--model", str(tiny_folder), "--target-ppl", "1e308", "--method", "uniform",
                             "--output", str(tmp_path / "p.json")], capsys)
     assert not list(tmp_path.iterdir())

@@ -389,8 +389,8 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*A, "--budget", "0.5", "--method", "top-p", "--calib-tokens", "100000000000"], "tokens the text has"),
         Row([*E, "--batch-size", "1000000000"], "window(s) of"),
         Row([*E, "--eval-tokens", "100000000000"], "tokens the text has"),
-        Row([*A, "--target-ppl", "1e308", "--method", "uniform"], "the perplexity of guessing uniformly"),
-        Row([*A, "--target-ppl", "1e308%", "--method", "uniform"], "the perplexity of guessing uniformly"),
+        Row([*A, "--target-ppl", "1e308", "--method", "uniform"], "times the perplexity of guessing uniformly"),
+        Row([*A, "--target-ppl", "1e308%", "--method", "uniform"], "times the perplexity of guessing uniformly"),
     ]
 
 
