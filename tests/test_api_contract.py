@@ -237,6 +237,7 @@ def _bad_calls(model, tok, folder, tmp_path):
                           distinct_plan, distinct_profile, evaluate_perplexity, profile_sensitivity, read_text)
 
     text, _ = read_text(None, "calibration")
+    (tmp_path / "f.txt").write_text("a file, not a folder")
     plain = static_plan(model, [1, 1, 1])
     nan, inf = float("nan"), float("inf")
     return [
@@ -329,7 +330,7 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: distinct_plan(model, 4, k_floor=True), "k_floor must be a whole number"),
         # profile_sensitivity: an output it could not write is refused before 35 s of compute
         (lambda: profile_sensitivity(model, tok, text, output=tmp_path), "is a folder; give a file path"),
-        (lambda: profile_sensitivity(model, tok, text, output=tmp_path / "no" / "p.json"), "does not exist"),
+        (lambda: profile_sensitivity(model, tok, text, output=tmp_path / "f.txt" / "p.json"), "which is a file"),
         (lambda: profile_sensitivity(model, tok, text, output=5), "output must be"),
         (lambda: profile_sensitivity(model, tok, None), "must be a string of text"),
         (lambda: profile_sensitivity(model, tok, "\0" * 20000), "is not text"),

@@ -195,7 +195,10 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
 
 def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) -> None:
     """profile_sensitivity's arguments at the door, before any work: types, the text, and an `output`
-    that could not be written at the end (a folder, or under a missing folder): the CLI's messages."""
+    that could not be written at the end (a folder, or a path under a file; a missing folder is made
+    when the profile is written): the CLI's messages."""
+    from pathlib import Path
+
     from ..cli.common import check_output_file
     from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
     from ..texts import check_text
@@ -209,7 +212,12 @@ def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) 
     if on_cell is not None and not callable(on_cell):
         raise AllocMoeError(f"profile_sensitivity: on_cell must be a function (layer, k), got "
                             f"{type(on_cell).__name__}; give a function or None")
-    check_output_file(None if output is None else str(output))
+    if output is not None and (Path(output).is_dir() or Path(output).parent.exists()):
+        check_output_file(str(output))
+    elif output is not None:
+        from ..cli.common import _refuse_under_a_file
+
+        _refuse_under_a_file(Path(output), "--output")
 
 
 def model_folder(model, config: ProfileConfig):
