@@ -231,6 +231,11 @@ def test_a_plan_is_refused_inside_a_block_that_swapped_the_experts(patched):
 
 
 # -- issue 39: every public function checks its arguments at the door ------------------------------------
+def _add_plan(model, plan, second):
+    with apply_plan(model, plan) as handle:         # removed on the way out, refusal or not
+        handle.add_plan(second)
+
+
 def _bad_calls(model, tok, folder, tmp_path):
     """(call, a substring of its message): plain mistakes, each an AllocMoeError before any work."""
     from allocmoe import (AllocateConfig, DistinctConfig, PerplexityConfig, ProfileConfig, allocate_distinct,
@@ -254,6 +259,7 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: apply_plan(model, plain, renormalize="yes"), "renormalize must be true or false or None"),
         (lambda: apply_plans(model, plain), "plans must be a list of plans"),
         (lambda: apply_plans(model, []), "at least one plan"),
+        (lambda: _add_plan(model, plain, None), "add_plan: plan must be a Plan"),
         # allocate: the profile, the budget, the method, the model, the text
         (lambda: allocate(0.5, "alloc-l", profile={}), "format_version"),
         (lambda: allocate(0.5, "alloc-l", profile={"format_version": 1}), "profile"),
@@ -336,6 +342,8 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: profile_sensitivity(model, tok, "\0" * 20000), "is not text"),
         (lambda: profile_sensitivity(model, None, text), "tokenizer must be the model's tokenizer"),
         (lambda: profile_sensitivity(42, tok, text), "model must be a loaded model"),
+        (lambda: profile_sensitivity(None, tok, text), "or a model folder's path"),
+        (lambda: allocate(0.5, "uniform"), "neither a model nor a profile was given; pass model="),
         (lambda: profile_sensitivity(model, tok, text, {"batch_size": 0}), "batch_size (--batch-size)"),
         (lambda: profile_sensitivity(model, tok, text, on_cell=3), "on_cell must be a function"),
         # load_model
@@ -371,7 +379,7 @@ def _bad_calls(model, tok, folder, tmp_path):
     ]
 
 
-BAD_CALLS = 117          # rows in the table above: a row dropped by mistake fails the count
+BAD_CALLS = 120          # rows in the table above: a row dropped by mistake fails the count
 
 
 @pytest.mark.parametrize("index", range(BAD_CALLS))

@@ -101,7 +101,8 @@ def _fingerprint(profile, model) -> dict[str, Any]:
         return fingerprint
     if profile is not None:
         return profile["model"]
-    raise AllocMoeError("give a model or a profile")
+    raise AllocMoeError("neither a model nor a profile was given; pass model= (allocmoe.load_model) or profile= "
+                        "(allocmoe.profile_sensitivity), which say what the plan is for")
 
 
 def _plan(fingerprint, policies: list, method: str, budget: Budget, **details) -> Plan:

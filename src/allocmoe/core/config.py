@@ -183,9 +183,9 @@ def check_model_argument(function: str, model: Any, folder: bool = False) -> Non
 
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         return
-    if folder and (isinstance(model, (str, os.PathLike, ModelSpec)) or model is None):
+    if folder and isinstance(model, (str, os.PathLike, ModelSpec)):
         return
-    wanted = "a loaded model (allocmoe.load_model(...)[0])" + (", a model folder's path" if folder else "")
+    wanted = "a loaded model (allocmoe.load_model(...)[0])" + (" or a model folder's path" if folder else "")
     raise AllocMoeError(f"{function}: model must be {wanted}, got {_shown(model)} ({type(model).__name__}); "
                         "load it with allocmoe.load_model(FOLDER)")
 

@@ -347,9 +347,11 @@ class PlanHandle:
         return self.plans[0]
 
     def add_plan(self, plan: Plan) -> int:
-        """Install one more plan beside the others; returns its index for `context.row_plans`."""
+        """Install one more plan (a Plan, a plan file's path or a plan document, as for apply_plan) beside
+        the others; returns its index for `context.row_plans`."""
         if not self.active:
             raise AllocMoeError("this plan handle was removed; apply the plans again")
+        plan = as_plan(plan, "add_plan")
         plan.check_model(self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
