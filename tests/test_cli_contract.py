@@ -391,6 +391,11 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*E, "--eval-tokens", "100000000000"], "tokens the text has"),
         Row([*A, "--target-ppl", "1e308", "--method", "uniform"], "times the perplexity of guessing uniformly"),
         Row([*A, "--target-ppl", "1e308%", "--method", "uniform"], "times the perplexity of guessing uniformly"),
+        Row([*S, "--eval-tokens", "100000000000"], "tokens the text has"),
+        Row([*S, "--calib-tokens", "100000000000", "--methods", "top-p"], "tokens the text has"),
+        Row([*S, "--batch-size", "1000000000"], "window(s) of 32 tokens"),
+        Row(["analyze", *m, "--plan", plan, "--eval-tokens", "100000000000"], "tokens the text has"),
+        Row(["analyze", *m, "--plan", plan, "--batch-size", "1000000000"], "window(s) of"),
     ]
 
 

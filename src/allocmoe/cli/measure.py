@@ -9,7 +9,7 @@ import torch
 
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_model_flags, add_output, add_quiet,
-                     add_ray_flags, add_task_flags, check_output_dir, check_output_file, check_seq_len, check_text_length,
+                     add_ray_flags, add_task_flags, check_output_dir, check_output_file, check_seq_len,
                      emit, inspect, load, non_negative_int, positive_int, task_names)
 
 
@@ -170,10 +170,16 @@ def cmd_sweep(args) -> None:
         check_tasks(tasks, args.include_path)
     refuse_unread(given, {flag for flag, read in reads.items() if read}, SWEEP_READERS,     # once the methods are known
                   f"--methods {','.join(methods)}")
-    check_text_length(spec.tokenizer(), text, seq_len, args.eval_tokens)
+    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+
+    windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
+                               beyond=None if args.eval_tokens == 16384 else "eval_max_tokens (--eval-tokens)")
+    check_batch_size(windows, args.batch_size)
     profiles = profile is None and any(m in PROFILE_METHODS + ("auto",) for m in config.methods)
     if profiles or any(m in ("top-p", "naee", "auto") for m in config.methods):
-        check_text_length(spec.tokenizer(), calib, seq_len, args.calib_tokens)
+        calib_windows = tokenize_windows(spec.tokenizer(), calib, seq_len, args.calib_tokens,
+                                         beyond=None if args.calib_tokens == 8192 else "max_tokens (--calib-tokens)")
+        check_batch_size(calib_windows, args.batch_size)     # the calibration passes batch the same way
     model, tok = (spec, spec.tokenizer()) if args.ray is not None else load(args, spec)   # --ray: the workers load it
     results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
                     text_names=(calib_name, text_name))
@@ -200,7 +206,7 @@ def cmd_compare(args) -> None:
 
 def cmd_analyze(args) -> None:
     from ..measure.analyze import analyze_plan, write_analysis
-    from ..measure.evaluate.perplexity import tokenize_windows
+    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
     from ..core.plan import Plan
     from ..texts import read_text
 
@@ -210,7 +216,9 @@ def cmd_analyze(args) -> None:
     spec = inspect(args)
     seq_len = check_seq_len(spec, args.seq_len)
     plan.check_model(spec.skeleton())
-    windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens)
+    windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
+                               beyond=None if args.eval_tokens == 16384 else "--eval-tokens")
+    check_batch_size(windows, args.batch_size)
     model, tok = load(args, spec)
     result = analyze_plan(model, tok, plan, windows, args.batch_size, progress=not args.quiet)
     write_analysis(result, args.output)
