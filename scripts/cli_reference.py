@@ -40,6 +40,16 @@ Every `allocmoe` command and flag, with its default. This page is generated from
   long commands (bars and messages go to stderr, results to stdout).
 - **No abbreviations**: a flag must be spelled out in full (`--out` is refused, not read as
   `--output`), so a typo cannot silently become another flag.
+- **No flag is ignored**: a flag the run would not read is refused, naming what reads it
+  (`--pool` or `--calib-tokens` with `allocate --method uniform`, `--k-base` with `bench --plan`,
+  `--batch-size` with `eval --decode-batch`, `--no-prefix-cache` when nothing is profiled). A
+  default shown blank below means "not given"; the help text says what is used then.
+- **Values the input cannot hold are refused**, before any pass: `--k-base` above the model's K (or,
+  for `alloc-t`, above the experts each layer gets at the budget), `--batch-size` above the windows
+  the text gives, `--calib-tokens`/`--eval-tokens` above the tokens the text has (the default 8192
+  reads as "up to"), a `--target-ppl` above 100 x the vocabulary size, a text holding NUL or other control
+  characters, a model whose config's top-k is outside 1..its experts, and a shard index naming a
+  file outside the model folder.
 - **Deprecated spellings** still work and print one warning line
   (`allocmoe: warning: --output-json is deprecated; use --output`): `--output-json` and
   `--output-dir` (now `--output`), `--max-tokens` (now `--calib-tokens` or `--eval-tokens`, by

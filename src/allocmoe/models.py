@@ -27,6 +27,9 @@ _HEADER_LIMIT = 100 * 2**20           # safetensors' own limit on a header's siz
 
 
 def resolve_model_path(model: str | os.PathLike | None) -> Path:
+    if model is not None and not isinstance(model, (str, os.PathLike)):
+        raise AllocMoeError(f"model must be a model folder's path (or None for the built-in model), got "
+                            f"{repr(model)[:60]} ({type(model).__name__}); give a local Hugging Face model folder")
     if model in (None, BUILTIN):
         if not (BUILTIN_MODEL / "config.json").is_file():
             raise AllocMoeError(f"the built-in model is missing from {BUILTIN_MODEL}; reinstall allocmoe "
@@ -129,6 +132,7 @@ def inspect_model(model: str | os.PathLike | None = None, trust_remote_code: boo
     if not isinstance(raw.get("model_type"), str):
         raise AllocMoeError(f"{config_file} names no model_type; restore the model's config.json")
     adapter_class(raw["model_type"])        # an unsupported architecture, before transformers reads anything
+    check_top_k(raw, config_file)
     try:
         config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
     except (ValueError, OSError, KeyError, TypeError) as exc:
@@ -139,10 +143,39 @@ def inspect_model(model: str | os.PathLike | None = None, trust_remote_code: boo
     return ModelSpec(path=path, config=config, trust_remote_code=trust_remote_code)
 
 
+# config.json's names for the experts each token runs (top-k) and the routed experts per layer, by family
+_TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+_EXPERT_KEYS = ("n_routed_experts", "num_local_experts", "num_experts", "moe_num_experts")
+
+
+def check_top_k(raw: dict[str, Any], config_file: Path) -> None:
+    """Refuse a config whose top-k is not a whole number in 1..its routed experts per layer (0 would
+    route nothing, more than the experts cannot be routed): named here, not as a budget problem later."""
+    top_key = next((key for key in _TOP_K_KEYS if key in raw), None)
+    expert_key = next((key for key in _EXPERT_KEYS if isinstance(raw.get(key), int)
+                       and not isinstance(raw.get(key), bool)), None)
+    if top_key is None:
+        return                          # the family's own default applies; transformers fills it in
+    top_k, experts = raw[top_key], raw.get(expert_key) if expert_key else None
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1 or (experts is not None and top_k > experts):
+        where = f"1..{experts} ({expert_key} = {experts})" if experts is not None else "1 or more"
+        raise AllocMoeError(f"{config_file}: {top_key} = {top_k!r} is outside {where}, the experts each token can "
+                            "run; restore the model's config.json")
+    if experts is not None and experts < 1:
+        raise AllocMoeError(f"{config_file}: {expert_key} = {experts} routed experts; a MoE layer needs at least one; "
+                            "restore the model's config.json")
+
+
 def load_model(model: str | os.PathLike | ModelSpec | None = None, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu", trust_remote_code: bool = False):
     """Load (model, tokenizer) from a local folder, or the built-in model when `model` is None.
     Everything checkable is checked before any weights are read (see `inspect_model`)."""
+    from .core.config import check_argument
+
+    check_argument("load_model", "trust_remote_code", trust_remote_code, bool)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise AllocMoeError(f"load_model: dtype must be a floating torch dtype (torch.float32, torch.bfloat16, "
+                            f"torch.float16), got {dtype!r}; give one of those")
     check_device(device)
     spec = model if isinstance(model, ModelSpec) else inspect_model(model, trust_remote_code)
     return spec.load(dtype=dtype, device=device)
@@ -169,9 +202,18 @@ def safetensors_files(path: Path) -> list[Path] | None:
     if index.is_file():
         try:
             weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-            files = [path / name for name in sorted(set(weight_map.values()))]
+            names = sorted(set(weight_map.values()))
+            files = [path / name for name in names]
         except (json.JSONDecodeError, UnicodeDecodeError, KeyError, TypeError, AttributeError) as exc:
             raise AllocMoeError(f"{index} is corrupt ({_first_line(exc)}); download or save the model again") from None
+        # `../plan.json`, `/etc/passwd`: never read a file the folder does not hold. Judged by the name, not
+        # by resolving links: a Hugging Face cache folder's weight files are links into its blobs folder.
+        outside = [name for name in names if os.path.isabs(name) or os.path.normpath(name).split(os.sep)[0] == ".."
+                   or os.path.normpath(name) in (".", "")]
+        if outside:
+            raise AllocMoeError(f"{index} names weight files outside the model folder: "
+                                f"{', '.join(map(repr, outside[:3]))}; an index may name only files inside "
+                                f"{path}: download or save the model again")
         missing = [f.name for f in files if not f.is_file()]
         if missing:
             raise AllocMoeError(f"{index} names weight files that are missing: {', '.join(missing[:3])}; "

@@ -36,14 +36,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..core.budget import read_fraction_or_count, round_half_up
-from ..core.config import check_counts, checked_config
+from ..core.config import check_counts, checked_config, config_class
 from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
 from ..core.policies import DistinctExperts, StaticTopK
@@ -58,7 +58,7 @@ from .profile import resumed_cells, with_weights
 PROFILE_KIND = "distinct"
 
 
-@dataclass
+@config_class(flags={"calib_max_tokens": "--calib-tokens"})
 class DistinctConfig:
     decode_batch: int = 16          # sequences decoded side by side: the step whose experts the budget bounds
     k_floor: int = 1                # each token's top experts chosen before any others (DistinctExperts)
@@ -188,6 +188,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     "unrestricted_perplexity", "union_mean", "union_max", "measured" (the M run per layer),
     "sensitivity" (L x E), "provenance" (cells, passes, time)}."""
     config = checked_config(DistinctConfig, config)
+    _check_arguments("distinct_profile", model, tokenizer, calib_text)
     fingerprint = model_fingerprint(model)
     num_layers, num_experts = fingerprint["num_moe_layers"], fingerprint["num_experts"]
     check_k_floor(config.k_floor, fingerprint["k_orig"])
@@ -310,6 +311,16 @@ def check_distinct_profile(profile: Any, fingerprint: dict[str, Any] | None = No
 
 
 # -- the allocation ------------------------------------------------------------------------------
+def _check_arguments(function: str, model, tokenizer, calib_text) -> None:
+    """A loaded model, its tokenizer and a calibration text, at the door."""
+    from ..core.config import check_model_argument, check_tokenizer_argument
+    from ..texts import check_text
+
+    check_model_argument(function, model)
+    check_tokenizer_argument(function, tokenizer)
+    check_text(calib_text, f"{function}: calib_text")
+
+
 def allocate_distinct(max_distinct_experts: str | float, *, profile: dict | None = None, model=None, tokenizer=None,
                       calib_text: str | None = None, config: DistinctConfig | dict | None = None,
                       resume_file: str | os.PathLike | None = None, calib_name: str = "text") -> Plan:
@@ -322,11 +333,19 @@ def allocate_distinct(max_distinct_experts: str | float, *, profile: dict | None
     the model, its tokenizer and calibration text to measure one (`config`, `resume_file`)."""
     given_config = config
     config = checked_config(DistinctConfig, config)
+    from ..core.config import check_argument
+
+    check_argument("allocate_distinct", "max_distinct_experts", max_distinct_experts, str | int | float,
+                   "a fraction (0.5, '1/2', '50%') or a count", finite=False)
+    if profile is not None and not isinstance(profile, dict):
+        raise AllocMoeError(f"allocate_distinct: profile must be the dict distinct_profile returns, got "
+                            f"{type(profile).__name__}; give that dict, or the model, tokenizer and calib_text")
     if profile is None:
         if model is None or tokenizer is None or calib_text is None:
             raise AllocMoeError("a distinct-expert allocation needs a distinct profile, or the model, its tokenizer "
                                 "and calibration text to measure one; pass profile=, or model=, tokenizer= and "
                                 "calib_text=")
+        _check_arguments("allocate_distinct", model, tokenizer, calib_text)
         fingerprint = model_fingerprint(model)
         fraction, count = parse_distinct_budget(max_distinct_experts, fingerprint["num_experts"],
                                                 fingerprint["num_moe_layers"])

@@ -25,7 +25,7 @@ calibration text: their real cost drifts with the input, so always report measur
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any, MutableMapping
 
 import torch
@@ -33,9 +33,9 @@ from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget
-from ..core.config import checked_config
+from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError
-from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
+from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
@@ -45,7 +45,8 @@ MODEL_METHODS = ("lexi", "top-p", "naee", "auto")
 METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "descending", "lexi", "top-p", "naee")
 
 
-@dataclass
+@config_class(flags={"calib_max_tokens": "--calib-tokens", "lexi_samples": "AllocateConfig.lexi_samples",
+                  "seed": "AllocateConfig.seed"})
 class AllocateConfig:
     k_base: int = 1                 # Alloc-T: experts every token keeps (the paper's default, near-best)
     pool: str = "batch"             # Alloc-T pool: "batch" (all tokens of a pass) or "sequence"
@@ -60,21 +61,12 @@ class AllocateConfig:
     substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
                                     # on the shipped models rank 8 kept half the loss the means left (quality.md)
 
-    def __post_init__(self):
+    def __post_init__(self):        # types are checked by @config_class before this runs
         if self.pool not in ("batch", "sequence"):
-            raise AllocMoeError(f"pool must be 'batch' or 'sequence', got {self.pool!r}")
-        if not isinstance(self.k_base, int) or self.k_base < 0:
-            raise AllocMoeError(f"k-base must be a whole number >= 0, got {self.k_base!r}")
-        if self.refine is not None and (not isinstance(self.refine, int) or isinstance(self.refine, bool)
-                                        or self.refine < 0):
-            raise AllocMoeError(f"refine must be a whole number of calibration passes >= 0 (0 = off), got "
-                                f"{self.refine!r}")
-        rank = self.substitute_rank
-        if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
-            raise AllocMoeError(f"substitute_rank must be a whole number >= 0 (0 = the means alone), got "
-                                f"{self.substitute_rank!r}")
-        if self.substitute not in (None, True, False):
-            raise AllocMoeError(f"substitute must be true, false or unset (auto decides), got {self.substitute!r}")
+            raise AllocMoeError(f"pool (--pool) must be 'batch' or 'sequence', got {self.pool!r}; give one of those")
+        check_counts(self, {"k_base": 0, "calib_max_tokens": 2, "seq_len": 2, "batch_size": 1, "lexi_samples": 1,
+                            "seed": 0, "refine": 0, "substitute_rank": 0},
+                     most={"lexi_samples": 1 << 20, "seed": 2**63 - 1})
 
 
 AUTO_REFINE = 128        # auto's default bound on refinement passes: 4 rounds of every move on a 6-layer model
@@ -109,7 +101,8 @@ def _fingerprint(profile, model) -> dict[str, Any]:
         return fingerprint
     if profile is not None:
         return profile["model"]
-    raise AllocMoeError("give a model or a profile")
+    raise AllocMoeError("neither a model nor a profile was given; pass model= (allocmoe.load_model) or profile= "
+                        "(allocmoe.profile_sensitivity), which say what the plan is for")
 
 
 def _plan(fingerprint, policies: list, method: str, budget: Budget, **details) -> Plan:
@@ -168,7 +161,11 @@ class _CandidateRecorder:
 def _calibration_windows(model, tokenizer, calib_text: str | None, config: AllocateConfig) -> torch.Tensor:
     if calib_text is None or tokenizer is None:
         raise AllocMoeError("this method needs calibration text and a tokenizer")
-    return tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens)
+    default = AllocateConfig.__dataclass_fields__["calib_max_tokens"].default     # "up to": a shorter text is fine
+    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens,
+                               beyond=None if config.calib_max_tokens == default else "calib_max_tokens (--calib-tokens)")
+    check_batch_size(windows, config.batch_size)
+    return windows
 
 
 @torch.no_grad()
@@ -231,6 +228,7 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
     smallest budget that meets it on calibration text (calibrate/target.py; needs the model and text).
     `refine_memo` keeps the refinement's scored allocations (persist it to resume an interrupted run)."""
     config = checked_config(AllocateConfig, config)
+    profile = _check_arguments(budget, method, profile, model, tokenizer, calib_text, target_ppl, refine_memo)
     if (budget is None) == (target_ppl is None):
         said = "both a budget and a perplexity target were given" if budget is not None else "no budget was given"
         raise AllocMoeError(f"{said}; give a budget (e.g. 0.5) or target_ppl (e.g. '5%'), one of the two")
@@ -240,9 +238,12 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
     if method not in METHODS:
         raise AllocMoeError(f"unknown method {method!r}; choose one of {', '.join(METHODS)}")
     if method in PROFILE_METHODS + ("auto",) and profile is None:
-        raise AllocMoeError(f"method {method!r} needs a sensitivity profile: run `allocmoe profile` and pass --profile")
+        raise AllocMoeError(f"method {method!r} needs a sensitivity profile; run `allocmoe profile` and pass "
+                            "--profile (profile= in Python)")
     if method in MODEL_METHODS and model is None:
-        raise AllocMoeError(f"method {method!r} needs the model")
+        raise AllocMoeError(f"method {method!r} needs the model; pass model= (allocmoe.load_model)")
+    if method in K_BASE_METHODS:
+        check_k_base(config.k_base, method, _fingerprint(profile, model)["k_orig"], budget, model, profile)
     substitute, refine = addons(method, config)
     if (substitute or refine) and method not in ADDON_METHODS:
         raise AllocMoeError(f"method {method!r} cannot take the substitute or the refinement (they need a "
@@ -251,6 +252,10 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
         raise AllocMoeError(f"method {method!r} with the substitute or the refinement needs the model, its tokenizer "
                             "and calibration text (model=, tokenizer=, calib_text=); or turn them off "
                             "(--no-substitute --refine 0)")
+    if target_ppl is not None and model is not None:
+        from .target import check_target_reach
+
+        check_target_reach(target_ppl, getattr(model.config, "vocab_size", None))
     if target_ppl is not None:      # after the method's own checks: the search scores a calibration pass first
         return _allocate_for_target(target_ppl, method, profile, model, tokenizer, calib_text, config)
     if method == "auto":
@@ -266,6 +271,60 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
     if substitute:
         plan.means = _measure_means(model, windows, config)
     return _refined(plan, model, windows, config, refine, refine_memo) if refine else plan
+
+
+K_BASE_METHODS = ("alloc-moe", "alloc-t", "auto")      # the methods that read k_base (and pool)
+
+
+def check_k_base(k_base: int, method: str, k_orig: int, budget, model, profile) -> None:
+    """Refuse a k_base the plan could not keep: above the model's K, or (alloc-t, whose every layer gets
+    B/L) above the experts per token a layer gets at a budget as typed. alloc-moe's layers get
+    different k_l, so a layer whose k_l is below k_base keeps k_l (its policy records the k_base used)."""
+    if k_base > k_orig:
+        raise AllocMoeError(f"k_base (--k-base) {k_base} is above this model's K = {k_orig} experts per token; "
+                            f"give a value in 1..{k_orig}")
+    if method == "alloc-t" and budget is not None and not isinstance(budget, Budget):
+        fingerprint = _fingerprint(profile, model)
+        parsed = Budget.parse(budget, fingerprint["num_moe_layers"], k_orig)
+        most = int(math.floor(parsed.per_layer + 1e-9))
+        if k_base > most:
+            raise AllocMoeError(f"k_base (--k-base) {k_base} is above the {most} expert(s) per token each MoE layer "
+                                f"gets at budget {budget} with alloc-t; give a value in 1..{most}, or a larger budget")
+
+
+def _check_arguments(budget, method, profile, model, tokenizer, calib_text, target_ppl, refine_memo):
+    """allocate's arguments at the door (types, the text, the profile); returns the profile as a checked
+    dict (a path is loaded, with `model` checked against it)."""
+    import os
+    from collections.abc import MutableMapping as Mutable
+
+    from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
+    from ..texts import check_text
+
+    if not isinstance(budget, Budget):
+        check_argument("allocate", "budget", budget, str | int | float | None,
+                       "a fraction (0.5, '1/2', '50%'), a count (78) or a Budget", finite=False)
+    check_argument("allocate", "method", method, str, f"one of {', '.join(METHODS)}")
+    check_argument("allocate", "target_ppl", target_ppl, str | int | float | None, "'5%' or a perplexity like 157.0",
+                   finite=False)
+    if model is not None:
+        check_model_argument("allocate", model)
+    check_tokenizer_argument("allocate", tokenizer, optional=True)
+    if calib_text is not None:
+        check_text(calib_text, "allocate: calib_text")
+    if refine_memo is not None and not isinstance(refine_memo, Mutable):
+        raise AllocMoeError(f"allocate: refine_memo must be a dict-like mapping, got {type(refine_memo).__name__}; "
+                            "give a dict (or leave it out)")
+    if profile is None:
+        return None
+    from .profile import checked_profile, load_profile
+
+    if isinstance(profile, (str, os.PathLike)):
+        return load_profile(profile, model)
+    if isinstance(profile, dict):
+        return checked_profile(profile, "allocate: profile")
+    raise AllocMoeError(f"allocate: profile must be a profile (the dict profile_sensitivity returns) or a profile "
+                        f"file's path, got {type(profile).__name__}; run allocmoe.profile_sensitivity or give a path")
 
 
 def addons(method: str, config: AllocateConfig) -> tuple[bool, int]:
@@ -311,8 +370,8 @@ def _allocate_plain(budget, method: str, profile, model, tokenizer, calib_text, 
         ks = linear_allocation(total, num_layers, k_orig, ascending=method == "ascending")
         return _plan(fingerprint, [StaticTopK(k) for k in ks], method, budget)
     if method == "alloc-t":
-        return _plan(fingerprint, [_alloc_t(budget.per_layer, config)] * num_layers, method, budget,
-                     k_base=config.k_base)
+        policy = _alloc_t(budget.per_layer, config)
+        return _plan(fingerprint, [policy] * num_layers, method, budget, k_base=policy.k_base)
     if method in PROFILE_METHODS:
         ks = solve_allocation(profile["sensitivity"], budget.activations_per_token)
         if method == "alloc-l":

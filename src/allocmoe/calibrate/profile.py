@@ -41,16 +41,16 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..routing.apply import static_plan
-from ..core.config import check_counts, checked_config
+from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError, Interrupted
-from ..measure.evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
+from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
@@ -63,7 +63,7 @@ from .walk import WalkRun, memory_plan, whole_model_facts
 
 
 
-@dataclass
+@config_class(flags={"max_tokens": "--calib-tokens"})
 class ProfileConfig:
     seq_len: int | None = None     # calibration window; None = min(2048, the model's position limit)
     max_tokens: int = 8192         # calibration tokens scored per configuration (the paper does not say)
@@ -129,6 +129,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     folder: a model that fits under the cap is loaded whole, a bigger one is read layer by layer
     (calibrate/walk.py), and a cap too small for that is refused before any weight is read."""
     config = checked_config(ProfileConfig, config)
+    _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell)
     spec = model_folder(model, config)
     if spec is not None:
         tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
@@ -136,7 +137,9 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     fingerprint = with_weights(model_fingerprint(model), spec if spec is not None else model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     seq_len = window_len(model, config.seq_len)
-    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens)
+    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens,      # the default: "up to"
+                               beyond=None if config.max_tokens == ProfileConfig.max_tokens else "max_tokens (--calib-tokens)")
+    check_batch_size(windows, config.batch_size)
     calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
                    "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
                    "seq_len": int(windows.size(1)), "max_tokens": config.max_tokens, "batch_size": config.batch_size}
@@ -195,6 +198,33 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
         if partial_path and partial_path.exists():
             partial_path.unlink()
     return profile
+
+
+def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) -> None:
+    """profile_sensitivity's arguments at the door, before any work: types, the text, and an `output`
+    that could not be written at the end (a folder, or a path under a file; a missing folder is made
+    when the profile is written): the CLI's messages."""
+    from pathlib import Path
+
+    from ..cli.common import check_output_file
+    from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
+    from ..texts import check_text
+
+    check_model_argument("profile_sensitivity", model, folder=True)
+    check_tokenizer_argument("profile_sensitivity", tokenizer,
+                             optional=not (isinstance(model, torch.nn.Module)))
+    check_text(calib_text, "profile_sensitivity: calib_text")
+    check_argument("profile_sensitivity", "output", output, str | os.PathLike | None, "a file path")
+    check_argument("profile_sensitivity", "calib_name", calib_name, str)
+    if on_cell is not None and not callable(on_cell):
+        raise AllocMoeError(f"profile_sensitivity: on_cell must be a function (layer, k), got "
+                            f"{type(on_cell).__name__}; give a function or None")
+    if output is not None and (Path(output).is_dir() or Path(output).parent.exists()):
+        check_output_file(str(output))
+    elif output is not None:
+        from ..cli.common import _refuse_under_a_file
+
+        _refuse_under_a_file(Path(output), "--output")
 
 
 def model_folder(model, config: ProfileConfig):

@@ -38,6 +38,25 @@ def parse_target(text: str | float, full_ppl: float) -> float:
     return full_ppl * (1 + value) if raw.endswith("%") else value
 
 
+REACH = 100          # a target above REACH x the vocabulary size is refused (check_target_reach)
+
+
+def check_target_reach(text: str | float, vocab_size: int | None) -> None:
+    """Refuse, before any pass, a target above REACH x V, a hundred times the perplexity of guessing
+    uniformly among the model's V tokens (a relative target too: the full model's perplexity is at least
+    1, so 1 + the percentage is a floor of the target). An untrained model sits near V; no plan worth
+    making is a hundred times worse, so the search would only spend calibration passes on such a target."""
+    raw = str(text).strip()
+    parse_target(raw, 1.0)                        # its form first: the same refusals as ever
+    if not vocab_size:
+        return
+    value = float(raw[:-1]) / 100 + 1 if raw.endswith("%") else float(raw)
+    if value > REACH * vocab_size:
+        raise AllocMoeError(f"perplexity target {raw!r} is above {REACH * vocab_size}, {REACH} times the perplexity of "
+                            f"guessing uniformly among this model's {vocab_size} tokens; give a lower target, or "
+                            "--budget for a plan of a chosen size")
+
+
 def smallest_budget(num_layers: int, k_orig: int, target: float, full_ppl: float,
                     ppl_at: Callable[[int], float], progress: Callable[[int, float], None] | None = None
                     ) -> tuple[int, dict[int, float]]:

@@ -8,7 +8,7 @@ import sys
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, add_ray_flags, check_output_file,
                      output_companions,
-                     check_seq_len, check_text_length, inspect, load, non_negative_int, positive_int)
+                     check_seq_len, inspect, load, non_negative_int, positive_int)
 
 
 def add_parsers(sub) -> None:
@@ -66,7 +66,43 @@ def add_parsers(sub) -> None:
     p.add_argument("--output", required=True, help="plan JSON to write")
     add_prefix_cache(p)
     add_quiet(p)
-    p.set_defaults(func=cmd_allocate)
+    # None: not given (the defaults are filled in by cmd_allocate), so a flag the run would not read is refused
+    p.set_defaults(func=cmd_allocate, batch_size=None, calib_tokens=None, prefix_cache=None)
+
+
+# -- which flags a run reads ------------------------------------------------------------------------------
+# `allocate`'s optional flags that only some runs read, by what reads them. A flag given to a run that
+# would not read it is refused (issue 39: no flag is ignored without a word), naming who reads it.
+ALLOCATE_READERS = {
+    "--profile": ("the profile methods", "alloc-moe, alloc-l and auto allocate from a profile"),
+    "--k-base": ("Alloc-T", "only alloc-moe, alloc-t and auto run Alloc-T, whose tokens each keep k_base experts"),
+    "--pool": ("Alloc-T", "only alloc-moe, alloc-t and auto run Alloc-T, whose pool it sets"),
+    "--calib-text": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
+                     "(alloc-moe or alloc-l without --profile) read calibration text"),
+    "--calib-tokens": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
+                       "(alloc-moe or alloc-l without --profile) read calibration text"),
+    "--seq-len": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
+                  "(alloc-moe or alloc-l without --profile) run the model on text"),
+    "--batch-size": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
+                     "(alloc-moe or alloc-l without --profile) run the model on text"),
+    "--no-prefix-cache": ("profiling", "only profiling (alloc-moe, alloc-l or auto without --profile) reads it"),
+}
+
+
+def allocate_reads(method: str, *, profile_given: bool, calibrates: bool, profiles: bool) -> set[str]:
+    """The flags of ALLOCATE_READERS that an `allocate` run of `method` reads."""
+    from ..calibrate.methods import K_BASE_METHODS, PROFILE_METHODS
+
+    read = {"the profile methods": method in PROFILE_METHODS + ("auto",), "Alloc-T": method in K_BASE_METHODS,
+            "calibration": calibrates, "profiling": profiles}
+    return {flag for flag, (reader, _) in ALLOCATE_READERS.items() if read[reader]}
+
+
+def refuse_unread(given: dict[str, object], reads: set[str], readers: dict[str, tuple[str, str]], run: str) -> None:
+    """Refuse the first flag in `given` (flag -> value, None when not given) that the run does not read."""
+    for flag, value in given.items():
+        if value is not None and flag in readers and flag not in reads:
+            raise AllocMoeError(f"{flag} does not apply to {run}: {readers[flag][1]}; drop {flag}")
 
 
 def cmd_profile(args) -> None:
@@ -80,18 +116,31 @@ def cmd_profile(args) -> None:
                            progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory,
                            ray=args.ray, ray_workers=args.ray_workers)
     spec = inspect(args)
-    check_text_length(spec.tokenizer(), text, check_seq_len(spec, args.seq_len), args.calib_tokens)
+    check_calibration(spec, text, args.seq_len, args.calib_tokens, args.batch_size, "max_tokens")
     folder = config.max_memory is not None or config.ray is not None     # loaded by the walk or the workers
     model, tok = (spec, spec.tokenizer()) if folder else load(args, spec)
     profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
     print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
 
 
+def check_calibration(spec, text: str, seq_len: int | None, calib_tokens: int, batch_size: int,
+                      field: str = "calib_max_tokens") -> None:
+    """The library's checks of a calibration run, before the weights load: the text long enough for a
+    window, --calib-tokens no more than the text has (8192, the default, reads as "up to") and
+    --batch-size no more windows than the text gives."""
+    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+
+    windows = tokenize_windows(spec.tokenizer(), text, check_seq_len(spec, seq_len), calib_tokens,
+                               beyond=None if calib_tokens == 8192 else f"{field} (--calib-tokens)")
+    check_batch_size(windows, batch_size)
+
+
 def cmd_allocate(args) -> None:
     """Everything is checked before the weights load (the profile against the model's layout, even when
     the method never loads them; the budget; the calibration text), then the weights load only for the
     methods that run the model (or to profile first)."""
-    from ..calibrate.methods import ADDON_METHODS, MODEL_METHODS, PROFILE_METHODS, AllocateConfig, addons, allocate
+    from ..calibrate.methods import (ADDON_METHODS, K_BASE_METHODS, MODEL_METHODS, PROFILE_METHODS, AllocateConfig,
+                                     addons, allocate, check_k_base)
     from ..calibrate.refine import SavedScores
     from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
     from ..core.budget import Budget
@@ -113,9 +162,15 @@ def cmd_allocate(args) -> None:
                             "(or --max-distinct-experts M for a latency budget)")
     if args.target_ppl is not None:
         parse_target(args.target_ppl, 1.0)           # its form, before any work; its value needs the model
+    given = {"--profile": args.profile, "--k-base": args.k_base, "--pool": args.pool, "--calib-text": args.calib_text,
+             "--calib-tokens": args.calib_tokens, "--seq-len": args.seq_len, "--batch-size": args.batch_size,
+             "--no-prefix-cache": args.prefix_cache}
     args.method = args.method or "auto"
     args.k_base = 1 if args.k_base is None else args.k_base
     args.pool = args.pool or "batch"
+    args.calib_tokens = 8192 if args.calib_tokens is None else args.calib_tokens
+    args.batch_size = 4 if args.batch_size is None else args.batch_size
+    args.prefix_cache = args.prefix_cache is not False
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
                             seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet,
                             substitute=args.substitute, refine=args.refine,
@@ -140,15 +195,24 @@ def cmd_allocate(args) -> None:
     fingerprint = spec.fingerprint()
     if args.budget is not None:
         Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+    else:
+        from ..calibrate.target import check_target_reach
+
+        check_target_reach(args.target_ppl, getattr(skeleton.config, "vocab_size", None))
     seq_len = check_seq_len(spec, args.seq_len)
     profiles_first = profile is None and args.method in PROFILE_METHODS + ("auto",)
     calibrates = (profiles_first or args.method in ("top-p", "naee", "auto") or args.target_ppl is not None
                   or substitute or refine)
+    refuse_unread(given, allocate_reads(args.method, profile_given=profile is not None, calibrates=calibrates,
+                                        profiles=profiles_first),
+                  ALLOCATE_READERS, f"--method {args.method}" + (" with --target-ppl" if args.target_ppl else ""))
+    if args.method in K_BASE_METHODS:
+        check_k_base(args.k_base, args.method, fingerprint["k_orig"], args.budget, skeleton, profile)
     text = name = None
     if calibrates or args.calib_text is not None:
         text, name = read_text(args.calib_text, "calibration")
     if calibrates:
-        check_text_length(spec.tokenizer(), text, seq_len, args.calib_tokens)
+        check_calibration(spec, text, args.seq_len, args.calib_tokens, args.batch_size)
     model, tok = skeleton, None
     if profiles_first or args.method in MODEL_METHODS or args.target_ppl is not None or calibrates:
         model, tok = load(args, spec)
@@ -194,13 +258,16 @@ def _allocate_distinct(args) -> None:
                                 "per token, --max-distinct-experts for distinct experts per decode step")
     for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
                         ("--pool", args.pool), ("--substitute", args.substitute),
-                        ("--substitute-rank", args.substitute_rank), ("--refine", args.refine)):
+                        ("--substitute-rank", args.substitute_rank), ("--refine", args.refine),
+                        ("--batch-size", args.batch_size)):
         if value is not None:
             raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "
-                                f"per step, from its own profile measured at --decode-batch); drop {flag}")
+                                f"per step, from its own profile measured at --decode-batch, which replaces "
+                                f"--batch-size); drop {flag}")
     config = DistinctConfig(decode_batch=args.decode_batch or 16, k_floor=args.k_floor or 1,
-                            calib_max_tokens=args.calib_tokens, seq_len=args.seq_len, m_step=args.m_step or 1,
-                            prefix_cache=args.prefix_cache, progress=not args.quiet)
+                            calib_max_tokens=8192 if args.calib_tokens is None else args.calib_tokens,
+                            seq_len=args.seq_len, m_step=args.m_step or 1,
+                            prefix_cache=args.prefix_cache is not False, progress=not args.quiet)
     spec = inspect(args)
     fingerprint = spec.fingerprint()
     parse_distinct_budget(args.max_distinct_experts, fingerprint["num_experts"], fingerprint["num_moe_layers"])

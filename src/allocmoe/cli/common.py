@@ -280,13 +280,6 @@ def check_seq_len(spec, seq_len: int | None) -> int:
     return window_len(spec.skeleton(), seq_len)
 
 
-def check_text_length(tokenizer, text: str, seq_len: int, max_tokens: int | None) -> None:
-    """Refuse, before any pass, a text too short for one window (the library's rule, applied early)."""
-    from ..measure.evaluate.perplexity import tokenize_windows
-
-    tokenize_windows(tokenizer, text, seq_len, max_tokens)
-
-
 def task_names(args) -> list[str] | None:
     """`--tasks` as a list (None when not given); the lm-eval flags are refused without it."""
     from ..measure.evaluate.harness import check_task_options

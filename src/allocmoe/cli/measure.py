@@ -9,8 +9,9 @@ import torch
 
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_model_flags, add_output, add_quiet,
-                     add_ray_flags, add_task_flags, check_output_dir, check_output_file, check_seq_len, check_text_length,
-                     emit, plan_inputs, sweep_inputs, sweep_names, inspect, load, non_negative_int, positive_int, task_names)
+                     add_ray_flags, add_task_flags, check_output_dir, check_output_file, check_seq_len, emit,
+                     plan_inputs, sweep_inputs, sweep_names, inspect, load, non_negative_int, positive_int,
+                     task_names)
 
 
 def add_parsers(sub) -> None:
@@ -27,7 +28,7 @@ def add_parsers(sub) -> None:
     add_output(p, "also write the result JSON here", old="--output-json")
     add_task_flags(p)
     add_quiet(p)
-    p.set_defaults(func=cmd_eval)
+    p.set_defaults(func=cmd_eval, batch_size=None)      # None: not given (4), so --decode-batch can refuse it
 
     p = sub.add_parser("sweep", help="budgets x methods table with plots (the main job)")
     add_model_flags(p)
@@ -44,7 +45,8 @@ def add_parsers(sub) -> None:
     add_prefix_cache(p)
     add_ray_flags(p, "profile and score the rows (and their --tasks)")
     add_quiet(p)
-    p.set_defaults(func=cmd_sweep)
+    # None: not given (the defaults are filled in by cmd_sweep), so a flag no row would read is refused
+    p.set_defaults(func=cmd_sweep, k_base=None, calib_tokens=None, prefix_cache=None)
 
     p = sub.add_parser("compare", help="paired task-accuracy difference of two `eval --tasks` results")
     p.add_argument("a", help="eval JSON (from `allocmoe eval --tasks ... --output FILE`)")
@@ -73,7 +75,7 @@ def add_parsers(sub) -> None:
                    help="or make a distinct-expert plan: at most M distinct experts per layer and decode step, "
                         "a fraction of the unrestricted union at --batch-size (0.5, 1/2, 50%%; measured on other "
                         "random prompts) or a count (e.g. 32); timed beside uniform top-k")
-    p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t, ascending, descending")
+    p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t (default), ascending, descending")
     p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T k_base (default 1)")
     p.add_argument("--input-len", type=positive_int, default=256, help="prompt tokens (default 256)")
     p.add_argument("--output-len", type=positive_int, default=32, help="decode steps timed (default 32)")
@@ -88,7 +90,8 @@ def add_parsers(sub) -> None:
                         "runs experts with 4 or more rows of a batched step faster (docs/speed.md)")
     add_output(p, "also write the result JSON here", old="--output-json")
     add_quiet(p)
-    p.set_defaults(func=cmd_bench)
+    # None: not given (alloc-t and 1 with --budget), so --method and --k-base are refused where nothing reads them
+    p.set_defaults(func=cmd_bench, method=None, k_base=None)
 
 
 def cmd_eval(args) -> None:
@@ -97,6 +100,10 @@ def cmd_eval(args) -> None:
     check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--text", args.text),
                       ("--model", args.model), ("--include-path", args.include_path)])
     tasks = task_names(args)
+    if args.decode_batch is not None and args.batch_size is not None and not tasks:
+        raise AllocMoeError("--batch-size does not apply with --decode-batch, which replaces it for perplexity (it "
+                            "sizes only --tasks' batches); drop --batch-size")
+    args.batch_size = 4 if args.batch_size is None else args.batch_size
     result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
                             max_tokens=args.eval_tokens, batch_size=args.batch_size,
                             trust_remote_code=args.trust_remote_code, tasks=tasks,
@@ -120,8 +127,9 @@ def cmd_eval(args) -> None:
 def cmd_sweep(args) -> None:
     """Every input is checked before the weights load (budgets, methods, tasks, the profile against the
     model's layout, --seq-len), and both texts' lengths before profiling or the first pass."""
-    from ..calibrate.methods import PROFILE_METHODS
+    from ..calibrate.methods import K_BASE_METHODS, PROFILE_METHODS, check_k_base
     from ..calibrate.profile import ProfileConfig, load_profile
+    from .calibrate import refuse_unread
     from ..core.budget import Budget
     from ..measure.report import markdown_table
     from ..measure.sweep import SweepConfig, sweep
@@ -129,9 +137,21 @@ def cmd_sweep(args) -> None:
 
     check_output_dir(args.output, inputs=sweep_inputs(args), names=sweep_names(args.profile))
     tasks = task_names(args)
+    methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
+    profiles = args.profile is None and any(m in PROFILE_METHODS + ("auto",) for m in methods)
+    reads = {"--profile": any(m in PROFILE_METHODS + ("auto",) for m in methods),
+             "--k-base": any(m in K_BASE_METHODS for m in methods),
+             "--calib-text": profiles or any(m in ("top-p", "naee", "auto") for m in methods),
+             "--no-prefix-cache": profiles}
+    reads["--calib-tokens"] = reads["--calib-text"]
+    given = {"--profile": args.profile, "--k-base": args.k_base, "--calib-text": args.calib_text,
+             "--calib-tokens": args.calib_tokens, "--no-prefix-cache": args.prefix_cache}
+    args.k_base = 1 if args.k_base is None else args.k_base
+    args.calib_tokens = 8192 if args.calib_tokens is None else args.calib_tokens
+    args.prefix_cache = args.prefix_cache is not False
     config = SweepConfig(
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
-        methods=tuple(m.strip() for m in args.methods.split(",") if m.strip()),
+        methods=methods,
         eval_max_tokens=args.eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
         profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet, prefix_cache=args.prefix_cache),
         tasks=tuple(tasks or ()), task_limit=args.limit, num_fewshot=args.num_fewshot,
@@ -143,15 +163,25 @@ def cmd_sweep(args) -> None:
     fingerprint = spec.fingerprint()
     for budget in config.budgets:
         Budget.parse(budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+        for method in set(methods) & {"alloc-t", "alloc-moe"}:      # the k_base every such row would keep
+            check_k_base(args.k_base, method, fingerprint["k_orig"], budget, spec.skeleton(), None)
     profile = load_profile(args.profile, spec.skeleton()) if args.profile else None
     if tasks:
         from ..measure.evaluate.harness import check_tasks
 
         check_tasks(tasks, args.include_path)
-    check_text_length(spec.tokenizer(), text, seq_len, args.eval_tokens)
+    refuse_unread(given, {flag for flag, read in reads.items() if read}, SWEEP_READERS,     # once the methods are known
+                  f"--methods {','.join(methods)}")
+    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+
+    windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
+                               beyond=None if args.eval_tokens == 16384 else "eval_max_tokens (--eval-tokens)")
+    check_batch_size(windows, args.batch_size)
     profiles = profile is None and any(m in PROFILE_METHODS + ("auto",) for m in config.methods)
     if profiles or any(m in ("top-p", "naee", "auto") for m in config.methods):
-        check_text_length(spec.tokenizer(), calib, seq_len, args.calib_tokens)
+        calib_windows = tokenize_windows(spec.tokenizer(), calib, seq_len, args.calib_tokens,
+                                         beyond=None if args.calib_tokens == 8192 else "max_tokens (--calib-tokens)")
+        check_batch_size(calib_windows, args.batch_size)     # the calibration passes batch the same way
     model, tok = (spec, spec.tokenizer()) if args.ray is not None else load(args, spec)   # --ray: the workers load it
     results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
                     text_names=(calib_name, text_name))
@@ -178,7 +208,7 @@ def cmd_compare(args) -> None:
 
 def cmd_analyze(args) -> None:
     from ..measure.analyze import analyze_plan, write_analysis
-    from ..measure.evaluate.perplexity import tokenize_windows
+    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
     from ..core.plan import Plan
     from ..texts import read_text
 
@@ -189,7 +219,9 @@ def cmd_analyze(args) -> None:
     spec = inspect(args)
     seq_len = check_seq_len(spec, args.seq_len)
     plan.check_model(spec.skeleton())
-    windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens)
+    windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
+                               beyond=None if args.eval_tokens == 16384 else "--eval-tokens")
+    check_batch_size(windows, args.batch_size)
     model, tok = load(args, spec)
     result = analyze_plan(model, tok, plan, windows, args.batch_size, progress=not args.quiet)
     write_analysis(result, args.output)
@@ -198,6 +230,20 @@ def cmd_analyze(args) -> None:
 
 
 BENCH_METHODS = ("uniform", "alloc-t", "ascending", "descending")   # need neither a profile nor calibration
+
+# sweep's flags that only some rows read (cli/calibrate.py's rule: a flag nothing reads is refused)
+SWEEP_READERS = {
+    "--profile": ("", "no row allocates from a profile (only alloc-moe, alloc-l and auto do)"),
+    "--k-base": ("", "no row runs Alloc-T (only alloc-moe, alloc-t and auto do)"),
+    "--calib-text": ("", "no row reads calibration text (only top-p, naee, auto and profiling do)"),
+    "--calib-tokens": ("", "no row reads calibration text (only top-p, naee, auto and profiling do)"),
+    "--no-prefix-cache": ("", "nothing is profiled (no profile method, or --profile is given)"),
+}
+# bench's flags that only some runs read
+BENCH_READERS = {
+    "--method": ("", "only --budget makes a plan with a method; --plan and --max-distinct-experts bring their own"),
+    "--k-base": ("", "only --budget with --method alloc-t runs Alloc-T, whose tokens each keep k_base experts"),
+}
 
 
 class _Shape:
@@ -244,6 +290,14 @@ def cmd_bench(args) -> None:
                             "one of --plan PLAN.json, --budget B (with --method) or --max-distinct-experts M")
     if args.seq_len is not None:
         raise AllocMoeError("--seq-len does not apply to bench; the prompt length is --input-len")
+    from .calibrate import refuse_unread
+
+    method = "alloc-t" if args.method is None else args.method
+    reads = {"--method"} if args.budget is not None else set()
+    reads |= {"--k-base"} if args.budget is not None and method == "alloc-t" else set()
+    refuse_unread({"--method": args.method, "--k-base": args.k_base}, reads, BENCH_READERS,
+                  given[0] + (f" --method {method}" if args.budget is not None else ""))
+    args.method, args.k_base = method, 1 if args.k_base is None else args.k_base
     synthetic = str(args.model or "").startswith(PREFIX)
     if args.num_layers is not None and not synthetic:
         raise AllocMoeError(f"--num-layers applies only to synthetic models ({PREFIX}NAME); drop it or bench "
@@ -279,6 +333,10 @@ def cmd_bench(args) -> None:
         plan.check_model(spec.skeleton())
     elif args.budget is not None:
         Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+        if args.method == "alloc-t":
+            from ..calibrate.methods import check_k_base
+
+            check_k_base(args.k_base, "alloc-t", fingerprint["k_orig"], args.budget, spec.skeleton(), None)
     else:
         max_distinct = parse_max_distinct(args.max_distinct_experts, fingerprint["num_experts"])
     torch.set_grad_enabled(False)

@@ -1,13 +1,108 @@
-"""Typed configs: build a config dataclass from a dict, rejecting unknown fields before any work."""
+"""Typed configs: every public config is a `config_class` dataclass, checked at the door.
+
+`@config_class` makes a dataclass whose constructor refuses, before the class's own `__post_init__` and
+before any work: unknown fields (extra="forbid"), more positional values than fields, and any value
+whose type is not its annotation's, strictly (pydantic's strict mode: no "32" for an int, no True for a
+count, no 1.5 for a whole number) or a float that is NaN or infinite. Each refusal is an AllocMoeError
+naming the field and the command-line flag that sets it, as the CLI says it. `dataclasses.replace` and
+`checked_config`'s dicts go through the same constructor.
+"""
 
 from __future__ import annotations
 
+import dataclasses
+import functools
+import math
+import typing
 from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar
 
 from ..errors import AllocMoeError
 
 C = TypeVar("C")
+
+
+def config_class(cls=None, *, flags: dict[str, str] | None = None):
+    """`@config_class` (or `@config_class(flags={"max_tokens": "--calib-tokens"})`): a dataclass checked at the
+    door (module docstring). `flags` names the CLI flag of fields not spelled `--<field-name>`."""
+    def wrap(klass):
+        klass = dataclasses.dataclass(klass)
+        klass.__config_flags__ = {**getattr(klass, "__config_flags__", {}), **(flags or {})}
+        init = klass.__init__
+        names = [f.name for f in fields(klass) if f.init]
+
+        @functools.wraps(init)
+        def __init__(self, *args, **kwargs):
+            name = type(self).__name__
+            if len(args) > len(names):
+                raise AllocMoeError(f"{name} takes at most {len(names)} values, got {len(args)}; give its fields "
+                                    f"by name: {', '.join(names)}")
+            unknown = sorted(set(kwargs) - set(names))
+            if unknown:
+                raise AllocMoeError(f"unknown {name} field(s) {unknown}; known: {sorted(names)}")
+            given = dict(zip(names, args))
+            twice = sorted(set(given) & set(kwargs))
+            if twice:
+                raise AllocMoeError(f"{name} got {twice} twice; give each field once")
+            given.update(kwargs)
+            for field_name, value in given.items():
+                check_type(type(self), field_name, value)
+            init(self, *args, **kwargs)
+
+        klass.__init__ = __init__
+        return klass
+
+    return wrap if cls is None else wrap(cls)
+
+
+_FLAGS = {"progress": "--quiet", "prefix_cache": "--no-prefix-cache"}     # fields whose flag turns them off
+
+
+def flag_of(cls, name: str) -> str:
+    """The command-line flag that sets field `name` of config class `cls`."""
+    return getattr(cls, "__config_flags__", {}).get(name) or _FLAGS.get(name) or "--" + name.replace("_", "-")
+
+
+@functools.lru_cache(maxsize=None)
+def _adapters(cls) -> dict[str, Any]:
+    from pydantic import TypeAdapter
+
+    hints = typing.get_type_hints(cls)
+    return {f.name: (hints[f.name], TypeAdapter(hints[f.name])) for f in fields(cls) if f.name in hints}
+
+
+def describe(hint) -> str:
+    """An annotation in words: `int | None` -> 'a whole number or None'."""
+    words = {int: "a whole number", float: "a number", bool: "true or false", str: "a string", type(None): "None",
+             dict: "a dict"}
+    if hint in words:
+        return words[hint]
+    args = typing.get_args(hint)
+    if typing.get_origin(hint) in (typing.Union, getattr(__import__("types"), "UnionType", None)):
+        said = [describe(a) for a in args]
+        return ", ".join(said[:-1]) + " or " + said[-1]
+    if typing.get_origin(hint) is tuple:
+        return f"a tuple of {describe(args[0]).removeprefix('a ')}s" if args else "a tuple"
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_type(cls, name: str, value: Any) -> None:
+    """Refuse `value` for field `name` of `cls` unless it is of the field's type, strictly."""
+    from pydantic import ValidationError
+
+    entry = _adapters(cls).get(name)
+    if entry is None:
+        return
+    hint, adapter = entry
+    if is_dataclass(value) and not isinstance(value, type):
+        return                                  # a nested config: its own constructor checked it
+    try:
+        adapter.validate_python(value, strict=True)
+    except ValidationError:
+        raise AllocMoeError(f"{name} ({flag_of(cls, name)}) must be {describe(hint)}, got {value!r} "
+                            f"({type(value).__name__}); give {describe(hint)}") from None
+    if isinstance(value, float) and not math.isfinite(value):
+        raise AllocMoeError(f"{name} ({flag_of(cls, name)}) must be a finite number, got {value!r}; give a number")
 
 
 def checked_config(cls: type[C], value: C | dict[str, Any] | None) -> C:
@@ -17,19 +112,88 @@ def checked_config(cls: type[C], value: C | dict[str, Any] | None) -> C:
     if is_dataclass(value) and isinstance(value, cls):
         return value
     if not isinstance(value, dict):
-        raise AllocMoeError(f"{cls.__name__} must be a {cls.__name__} or a dict, got {type(value).__name__}")
+        raise AllocMoeError(f"{cls.__name__} must be a {cls.__name__} or a dict, got {type(value).__name__}; give "
+                            f"{cls.__name__}(...) or a dict of its fields")
     known = {f.name for f in fields(cls)}
+    bad_keys = [key for key in value if not isinstance(key, str)]
+    if bad_keys:
+        raise AllocMoeError(f"{cls.__name__} field names must be strings, got {bad_keys[:3]}; known: {sorted(known)}")
     unknown = sorted(set(value) - known)
     if unknown:
         raise AllocMoeError(f"unknown {cls.__name__} field(s) {unknown}; known: {sorted(known)}")
     return cls(**value)
 
 
-def check_counts(config, least: dict[str, int], flags: dict[str, str] | None = None) -> None:
+def check_counts(config, least: dict[str, int], flags: dict[str, str] | None = None,
+                 most: dict[str, int] | None = None) -> None:
     """Refuse count fields that are not whole numbers >= their least value (None means "default"),
-    naming the command-line flag that sets each (`--<name>` unless `flags` says otherwise)."""
+    or above their `most`, naming the command-line flag that sets each (`--<name>` unless `flags`
+    or the class's own `config_class(flags=)` says otherwise)."""
+    def flag(name):
+        return (flags or {}).get(name) or flag_of(type(config), name)
+
     for name, low in least.items():
         value = getattr(config, name)
         if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < low):
-            flag = (flags or {}).get(name, "--" + name.replace("_", "-"))
-            raise AllocMoeError(f"{name} ({flag}) must be a whole number >= {low}, got {value!r}; give {low} or more")
+            raise AllocMoeError(f"{name} ({flag(name)}) must be a whole number >= {low}, got {value!r}; give {low} "
+                                "or more")
+    for name, high in (most or {}).items():
+        value = getattr(config, name)
+        if value is not None and value > high:
+            raise AllocMoeError(f"{name} ({flag(name)}) is {value}, above the most allocmoe takes, {high}; give "
+                                f"{high} or less")
+
+
+# -- a public function's arguments ------------------------------------------------------------------------
+@functools.lru_cache(maxsize=None)
+def _adapter(hint):
+    from pydantic import TypeAdapter
+
+    return TypeAdapter(hint)
+
+
+def _shown(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def check_argument(function: str, name: str, value: Any, hint, fix: str | None = None, finite: bool = True) -> None:
+    """Refuse argument `name` of public function `function` unless `value` is of type `hint`, strictly
+    (no "32" for an int, no True for a count, and unless `finite` is False, no NaN or infinity)."""
+    from pydantic import ValidationError
+
+    try:
+        _adapter(hint).validate_python(value, strict=True)
+        bad = finite and isinstance(value, float) and not math.isfinite(value)
+    except ValidationError:
+        bad = True
+    if bad:
+        raise AllocMoeError(f"{function}: {name} must be {describe(hint)}, got {_shown(value)} "
+                            f"({type(value).__name__}); give {fix or describe(hint)}")
+
+
+def check_model_argument(function: str, model: Any, folder: bool = False) -> None:
+    """Refuse a `model` that is not a loaded model (torch module with a transformers config); with
+    `folder`, a model folder (path or ModelSpec) is accepted as well."""
+    import os
+
+    import torch
+
+    from ..models import ModelSpec
+
+    if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
+        return
+    if folder and isinstance(model, (str, os.PathLike, ModelSpec)):
+        return
+    wanted = "a loaded model (allocmoe.load_model(...)[0])" + (" or a model folder's path" if folder else "")
+    raise AllocMoeError(f"{function}: model must be {wanted}, got {_shown(model)} ({type(model).__name__}); "
+                        "load it with allocmoe.load_model(FOLDER)")
+
+
+def check_tokenizer_argument(function: str, tokenizer: Any, optional: bool = False) -> None:
+    """Refuse a `tokenizer` that is not callable (a Hugging Face tokenizer is)."""
+    if tokenizer is None and optional:
+        return
+    if not callable(tokenizer):
+        raise AllocMoeError(f"{function}: tokenizer must be the model's tokenizer, got {_shown(tokenizer)} "
+                            f"({type(tokenizer).__name__}); pass the tokenizer allocmoe.load_model returns")

@@ -347,9 +347,11 @@ class PlanHandle:
         return self.plans[0]
 
     def add_plan(self, plan: Plan) -> int:
-        """Install one more plan beside the others; returns its index for `context.row_plans`."""
+        """Install one more plan (a Plan, a plan file's path or a plan document, as for apply_plan) beside
+        the others; returns its index for `context.row_plans`."""
         if not self.active:
             raise AllocMoeError("this plan handle was removed; apply the plans again")
+        plan = as_plan(plan, "add_plan")
         plan.check_model(self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
@@ -436,15 +438,44 @@ def apply_plan(model: nn.Module, plan: Plan, renormalize: bool | None = None) ->
 
     renormalize: None keeps each family's native combine; True/False forces renormalising the kept
     weights (or not) for every layer.
+
+    `plan` is a Plan, a plan file's path (loaded with Plan.load, so its substitute comes with it) or a
+    plan document as a dict (Plan.from_dict).
     """
-    return apply_plans(model, [plan], renormalize)
+    return apply_plans(model, [plan], renormalize, _caller="apply_plan")
 
 
-def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = None) -> PlanHandle:
+def as_plan(plan, function: str = "apply_plan") -> Plan:
+    """A Plan from what the public functions accept for one: a Plan, a plan file's path, or a plan
+    document (dict); anything else is refused."""
+    import os
+
+    if isinstance(plan, Plan):
+        return plan
+    if isinstance(plan, (str, os.PathLike)):
+        return Plan.load(plan)
+    if isinstance(plan, dict):
+        return Plan.from_dict(plan)
+    raise AllocMoeError(f"{function}: plan must be a Plan, a plan file's path or a plan document (dict), got "
+                        f"{repr(plan)[:60]} ({type(plan).__name__}); make one with allocmoe.allocate or "
+                        "allocmoe.static_plan, or give a path")
+
+
+def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = None, *,
+                _caller: str = "apply_plans") -> PlanHandle:
     """Install several plans at once: row r of a batch follows plan `handle.context.row_plans[r]`
-    (all rows follow plan 0 while `row_plans` is None). `handle.add_plan` installs more later."""
+    (all rows follow plan 0 while `row_plans` is None). `handle.add_plan` installs more later.
+    Each plan may be a Plan, a plan file's path or a plan document (as for apply_plan)."""
+    from ..core.config import check_argument, check_model_argument
+
+    check_model_argument(_caller, model)
+    check_argument(_caller, "renormalize", renormalize, bool | None)
+    if isinstance(plans, (Plan, str, dict)) or not isinstance(plans, (list, tuple)):
+        raise AllocMoeError(f"{_caller}: plans must be a list of plans, got {type(plans).__name__}; give "
+                            "[plan, ...] (or apply_plan(model, plan) for one)")
     if not plans:
-        raise AllocMoeError("apply_plans needs at least one plan")
+        raise AllocMoeError("apply_plans needs at least one plan; give [plan, ...]")
+    plans = [as_plan(plan, _caller) for plan in plans]
     adapter = adapter_for_model(model)
     for plan in plans:
         plan.check_model(model)
@@ -498,14 +529,17 @@ def active_handle(model: nn.Module) -> PlanHandle | None:
 
 
 def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], method: str = "manual") -> Plan:
-    """A plan of static top-k per layer; a list is taken in MoE-layer order."""
+    """A plan of static top-k per layer: a list (or tuple) of one k per MoE layer, in MoE-layer order, or
+    {MoE-layer index: k} naming every MoE layer; each k a whole number in 1..K (the model's top-k)."""
+    from ..core.config import check_argument, check_model_argument
     from ..core.plan import model_fingerprint
 
+    check_model_argument("static_plan", model)
+    check_argument("static_plan", "method", method, str)
     fingerprint = model_fingerprint(model)
-    indices = fingerprint["moe_layers"]
-    if not isinstance(k_per_layer, dict):
-        k_per_layer = dict(zip(indices, k_per_layer))
-    layers = {index: StaticTopK(int(k)) for index, k in k_per_layer.items()}
+    k_per_layer = _per_layer("static_plan", "k_per_layer", k_per_layer, fingerprint["moe_layers"], 1,
+                             fingerprint["k_orig"], "the model's top-k K")
+    layers = {index: StaticTopK(k) for index, k in k_per_layer.items()}
     return Plan(model=fingerprint, layers=layers, method=method, budget=float(sum(k_per_layer.values())))
 
 
@@ -514,19 +548,48 @@ def distinct_plan(model: nn.Module, max_experts: int | dict[int, int] | list[int
     """A plan of the distinct-expert budget: at most `max_experts` distinct experts per decode step
     in each MoE layer (one number for all, a list in MoE-layer order, or {layer index: M}). Its
     budget is the full L * K_orig: the plan bounds experts per step, not activations per token."""
+    from ..core.config import check_argument, check_model_argument
     from ..core.plan import model_fingerprint
 
+    check_model_argument("distinct_plan", model)
+    check_argument("distinct_plan", "method", method, str)
     fingerprint = model_fingerprint(model)
     indices = fingerprint["moe_layers"]
-    if isinstance(max_experts, int):
+    check_argument("distinct_plan", "k_floor", k_floor, int)
+    if not 1 <= k_floor <= fingerprint["k_orig"]:
+        raise AllocMoeError(f"distinct_plan: k_floor {k_floor} is outside 1..{fingerprint['k_orig']} (the model's "
+                            f"top-k K); give a whole number in that range")
+    if isinstance(max_experts, int) and not isinstance(max_experts, bool):
         max_experts = {index: max_experts for index in indices}
-    elif not isinstance(max_experts, dict):
-        max_experts = dict(zip(indices, max_experts))
-    layers = {index: DistinctExperts(int(m), k_floor) for index, m in max_experts.items()}
+    max_experts = _per_layer("distinct_plan", "max_experts", max_experts, indices, 1, fingerprint["num_experts"],
+                             "the model's experts per layer")
+    layers = {index: DistinctExperts(m, k_floor) for index, m in max_experts.items()}
     for policy in layers.values():
         policy.check(fingerprint["k_orig"])
     return Plan(model=fingerprint, layers=layers, method=method,
                 budget=float(fingerprint["num_moe_layers"] * fingerprint["k_orig"]))
+
+
+def _per_layer(function: str, name: str, value, indices: list[int], low: int, high: int, what: str) -> dict[int, int]:
+    """{MoE-layer index: whole number in low..high} from a list in MoE-layer order or a dict naming every
+    MoE layer; anything else (a float, a bool, a short list, an unknown layer) is refused."""
+    if isinstance(value, (list, tuple)):
+        if len(value) != len(indices):
+            raise AllocMoeError(f"{function}: {name} has {len(value)} entries but the model has {len(indices)} MoE "
+                                f"layers {indices}; give one per MoE layer")
+        value = dict(zip(indices, value))
+    elif not isinstance(value, dict):
+        raise AllocMoeError(f"{function}: {name} must be a list of one whole number per MoE layer or a dict "
+                            f"{{layer index: number}}, got {repr(value)[:60]} ({type(value).__name__}); give "
+                            f"{len(indices)} whole numbers")
+    if sorted(value, key=repr) != sorted(indices, key=repr):
+        raise AllocMoeError(f"{function}: {name} names layers {sorted(value, key=repr)} but the model's MoE layers "
+                            f"are {indices}; give one entry for each")
+    for index, k in value.items():
+        if not isinstance(k, int) or isinstance(k, bool) or not low <= k <= high:
+            raise AllocMoeError(f"{function}: {name} for MoE layer {index} is {k!r}; give a whole number in "
+                                f"{low}..{high} ({what})")
+    return dict(value)
 
 
 class _experts_forward_swapped:

@@ -20,13 +20,13 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from ...core.config import check_counts, checked_config
+from ...core.config import check_counts, checked_config, config_class
 from ...errors import AllocMoeError
 
 MIN_TOKENS = 16
 
 
-@dataclass
+@config_class(flags={"max_tokens": "--eval-tokens"})
 class PerplexityConfig:
     seq_len: int | None = None      # window length; None = min(2048, the model's position limit)
     max_tokens: int | None = None   # score only the first N tokens of the text (None = all of it)
@@ -35,8 +35,7 @@ class PerplexityConfig:
     decode_batch: int | None = None  # score as this many sequences decoded side by side (replaces batch_size)
 
     def __post_init__(self):
-        check_counts(self, {"seq_len": 2, "max_tokens": 1, "batch_size": 1, "decode_batch": 1},
-                     {"max_tokens": "--eval-tokens"})
+        check_counts(self, {"seq_len": 2, "max_tokens": 1, "batch_size": 1, "decode_batch": 1})
 
 
 @dataclass
@@ -67,9 +66,15 @@ def window_len(model, seq_len: int | None) -> int:
     return int(seq_len)
 
 
-def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None) -> torch.Tensor:
-    """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window)."""
+def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None,
+                     beyond: str | None = None) -> torch.Tensor:
+    """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window).
+    With `beyond` (the flag that set `max_tokens`, e.g. "calib_max_tokens (--calib-tokens)"), a
+    `max_tokens` above the text's tokens is refused instead of read as "all of it"."""
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
+    if beyond is not None and max_tokens is not None and max_tokens > len(ids) >= MIN_TOKENS:
+        raise AllocMoeError(f"{beyond} {max_tokens} is more than the {len(ids)} tokens the text has; give "
+                            f"{len(ids)} or less, or a longer text")
     if max_tokens is not None:
         ids = ids[:max_tokens]
     if len(ids) < MIN_TOKENS:
@@ -79,6 +84,17 @@ def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None 
     if ids.numel() < seq_len:
         return ids[None, :]
     return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+
+
+DEFAULT_BATCH = 4          # the configs' default windows per pass: taken as "up to 4" on a shorter text
+
+
+def check_batch_size(windows: torch.Tensor, batch_size: int, flag: str = "batch_size (--batch-size)") -> None:
+    """Refuse a batch of more windows than the text gives (the default is read as "up to")."""
+    count, length = windows.shape
+    if batch_size > max(count, DEFAULT_BATCH):
+        raise AllocMoeError(f"{flag} {batch_size} is more than the {count} window(s) of {length} tokens the text "
+                            f"gives; give {count} or less, or a longer text")
 
 
 def check_decode_batch(windows: torch.Tensor, decode_batch: int | None) -> int:
@@ -102,9 +118,12 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
     from ...routing.apply import active_handle
 
     config = checked_config(PerplexityConfig, config)
+    check_arguments(model, tokenizer, text, windows)
     seq_len = window_len(model, config.seq_len)
     if windows is None:
-        windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens)
+        windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens, beyond="max_tokens (--eval-tokens)")
+    if config.decode_batch is None:
+        check_batch_size(windows, config.batch_size)
     fill = check_decode_batch(windows, config.decode_batch)
     rows = windows.size(0)                                                      # windows scored
     routed = torch.cat([windows, windows[:fill]]) if fill else windows          # [N + fill, S]
@@ -130,6 +149,25 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
     mean = total_nll / total_tokens
     return PerplexityResult(perplexity=perplexity_of(mean), nll=mean, tokens=total_tokens,
                             windows=int(windows.size(0)), seq_len=int(windows.size(1)))
+
+
+def check_arguments(model, tokenizer, text, windows) -> None:
+    """evaluate_perplexity's arguments at the door: a loaded model, and either pre-cut windows (a 2-D
+    tensor of token ids) or a tokenizer and text."""
+    from ...core.config import check_model_argument, check_tokenizer_argument
+    from ...texts import check_text
+
+    check_model_argument("evaluate_perplexity", model)
+    if windows is not None:
+        if not isinstance(windows, torch.Tensor) or windows.dim() != 2 or windows.dtype != torch.long \
+                or windows.size(0) < 1 or windows.size(1) < 2:
+            raise AllocMoeError(f"evaluate_perplexity: windows must be a [N, S] tensor of token ids (torch.long, "
+                                f"N >= 1, S >= 2), got {type(windows).__name__}"
+                                f"{list(windows.shape) if isinstance(windows, torch.Tensor) else ''}; give "
+                                "tokenize_windows(...)'s result, or leave windows out and give the tokenizer and text")
+        return
+    check_tokenizer_argument("evaluate_perplexity", tokenizer)
+    check_text(text, "evaluate_perplexity: text")
 
 
 def summed_nll(logits: torch.Tensor, batch: torch.Tensor) -> tuple[float, int]:

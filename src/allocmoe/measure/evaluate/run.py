@@ -6,9 +6,10 @@ import os
 from typing import Any
 
 from ...routing.apply import apply_plan, static_plan
-from .perplexity import PerplexityConfig, check_decode_batch, evaluate_perplexity, tokenize_windows, window_len
+from .perplexity import PerplexityConfig, check_batch_size, check_decode_batch, evaluate_perplexity, tokenize_windows, window_len
 from ...models import inspect_model
 from ...core.plan import Plan, model_fingerprint
+from ...errors import AllocMoeError
 from ...texts import read_text
 
 
@@ -30,15 +31,24 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
 
     Every input is checked before the weights load (text, plan file, model folder, the plan and
     `seq_len` against the model's layout, task names), and the text's length before the first pass."""
+    from ...core.config import check_argument
     from .harness import check_task_options
 
+    if isinstance(tasks, str):
+        raise AllocMoeError(f"evaluate_model: tasks must be a list of task names, got the string {tasks!r}; give "
+                            f"[{tasks!r}]")
+    check_argument("evaluate_model", "trust_remote_code", trust_remote_code, bool)
+    check_argument("evaluate_model", "tasks", tasks, list[str] | tuple[str, ...] | None, "a list of task names")
+    check_argument("evaluate_model", "task_options", task_options, dict | None, "a dict of lm-eval options")
     config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, progress=progress,
                               decode_batch=decode_batch)
     options = dict(task_options or {})
     check_task_options(tasks, **options)
     body, text_name = read_text(text, "test")
-    if plan is not None and not isinstance(plan, Plan):
-        plan = Plan.load(plan)
+    if plan is not None:
+        from ...routing.apply import as_plan
+
+        plan = as_plan(plan, "evaluate_model")
     spec = inspect_model(model, trust_remote_code)
     skeleton = spec.skeleton()
     window = window_len(skeleton, seq_len)
@@ -48,7 +58,10 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
         from .harness import check_tasks
 
         check_tasks(tasks, options.get("include_path"))
-    windows = tokenize_windows(spec.tokenizer(), body, window, max_tokens)    # too short: before the weights
+    windows = tokenize_windows(spec.tokenizer(), body, window, max_tokens,        # too short: before the weights
+                               beyond="max_tokens (--eval-tokens)")
+    if decode_batch is None:
+        check_batch_size(windows, batch_size)
     fill = check_decode_batch(windows, decode_batch)
     net, tok = spec.load()
     fingerprint = model_fingerprint(net)
