@@ -238,7 +238,7 @@ def _add_plan(model, plan, second):
 
 def _bad_calls(model, tok, folder, tmp_path):
     """(call, a substring of its message): plain mistakes, each an AllocMoeError before any work."""
-    from allocmoe import (AllocateConfig, DistinctConfig, PerplexityConfig, ProfileConfig, allocate_distinct,
+    from allocmoe import (AllocateConfig, Plan, DistinctConfig, PerplexityConfig, ProfileConfig, allocate_distinct,
                           distinct_plan, distinct_profile, evaluate_perplexity, profile_sensitivity, read_text)
 
     text, _ = read_text(None, "calibration")
@@ -376,10 +376,14 @@ def _bad_calls(model, tok, folder, tmp_path):
         # read_text
         (lambda: read_text(5, "test"), "source must be a text file's path"),
         (lambda: read_text(None, "nope"), "unknown built-in split"),
+        # a file's path must be a path: os.stat would read 5 as an open file descriptor
+        (lambda: Plan.load(5), "plan file must be a path"),
+        (lambda: Plan.load(b"plan.json"), "plan file must be a path"),
+        (lambda: allocate(profile=5, budget=0.5), "profile must be a profile"),
     ]
 
 
-BAD_CALLS = 120          # rows in the table above: a row dropped by mistake fails the count
+BAD_CALLS = 123          # rows in the table above: a row dropped by mistake fails the count
 
 
 @pytest.mark.parametrize("index", range(BAD_CALLS))

@@ -99,3 +99,14 @@ def test_prefix_mask():
 def test_bad_layer_entries_are_refused_with_the_reason(entry, message):
     with pytest.raises(AllocMoeError, match=__import__("re").escape(message)):
         policy_from_dict(entry, k_orig=6)
+
+
+@pytest.mark.parametrize("policy", [StaticTopK(0), StaticTopK(5), AllocT(k=0), AllocT(k=2, k_base=3),
+                                    AllocT(k=2, pool="row"), TopP(p=0.0), NaeeSkip(beta=-1.0)],
+                         ids=repr)
+def test_a_policy_out_of_range_is_one_line_that_says_how_to_fix_it(policy):
+    """A hand-made plan reaches these checks when it is applied: the same one-line form as every refusal."""
+    with pytest.raises(AllocMoeError) as exc:
+        policy.check(4)
+    said = str(exc.value)
+    assert "; " in said and "\n" not in said, said

@@ -206,8 +206,8 @@ def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) 
     when the profile is written): the CLI's messages."""
     from pathlib import Path
 
-    from ..cli.common import check_output_file
     from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
+    from ..core.outputs import check_output_file, refuse_under_a_file
     from ..texts import check_text
 
     check_model_argument("profile_sensitivity", model, folder=True)
@@ -222,9 +222,7 @@ def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) 
     if output is not None and (Path(output).is_dir() or Path(output).parent.exists()):
         check_output_file(str(output))
     elif output is not None:
-        from ..cli.common import _refuse_under_a_file
-
-        _refuse_under_a_file(Path(output), "--output")
+        refuse_under_a_file(Path(output), "--output")
 
 
 def model_folder(model, config: ProfileConfig):

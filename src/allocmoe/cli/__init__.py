@@ -11,7 +11,7 @@
 
 Exit codes: 0 success; 2 bad input (one line, `allocmoe: error: <what>; <how to fix it>`); 1 an
 unexpected failure (one line; `--debug`, anywhere on the line, shows the traceback); 130 interrupted
-(Ctrl-C or SIGTERM; a profile resumes from its .partial.json when rerun).
+(Ctrl-C or SIGTERM; a profile or sweep that kept work says what a rerun resumes).
 """
 
 from __future__ import annotations
@@ -64,7 +64,7 @@ def main(argv: list[str] | None = None) -> None:
         _close_bars()
         resume = getattr(exc, "resume", None)        # errors.Interrupted: what a rerun picks up
         print(f"allocmoe: interrupted; rerun the same command to resume: {resume}" if resume else
-              "allocmoe: interrupted (a profile resumes from its .partial.json when rerun)", file=sys.stderr)
+              "allocmoe: interrupted", file=sys.stderr)
         sys.exit(130)
     except MemoryError:
         print("allocmoe: error: out of memory; lower --batch-size or --seq-len", file=sys.stderr)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ..core.outputs import check_output_file
 from ..errors import AllocMoeError
-from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, add_ray_flags, check_output_file,
-                     output_companions,
+from .common import (add_calib_tokens, add_prefix_cache, add_model_flags, add_quiet, add_ray_flags, output_companions,
                      check_seq_len, inspect, load, non_negative_int, positive_int)
 
 

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 from ..errors import AllocMoeError
-from .common import add_output, check_output_file, named_plan_inputs, plan_inputs
+from ..core.outputs import check_output_file, plan_inputs
+from .common import add_output, named_plan_inputs
 
 
 def add_parsers(sub) -> None:

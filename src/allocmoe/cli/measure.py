@@ -7,11 +7,11 @@ import sys
 
 import torch
 
+from ..core.outputs import check_output_dir, check_output_file, plan_inputs
 from ..errors import AllocMoeError
 from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_model_flags, add_output, add_quiet,
-                     add_ray_flags, add_task_flags, check_output_dir, check_output_file, check_seq_len, emit,
-                     plan_inputs, sweep_inputs, sweep_names, inspect, load, non_negative_int, positive_int,
-                     task_names)
+                     add_ray_flags, add_task_flags, check_seq_len, emit, sweep_inputs, sweep_names, inspect, load,
+                     non_negative_int, positive_int, task_names)
 
 
 def add_parsers(sub) -> None:

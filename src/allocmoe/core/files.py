@@ -74,7 +74,10 @@ def json_safe(obj: Any, at: str = "") -> tuple[Any, list[str]]:
 
 def path_stat(path: str | os.PathLike, what: str, follow: bool = True) -> os.stat_result | None:
     """os.stat of `path` (lstat with follow=False), None if nothing is there; any other failure (a name
-    too long, a permission denied, a loop of links, an embedded NUL) as one AllocMoeError line."""
+    too long, a permission denied, a loop of links, an embedded NUL) as one AllocMoeError line. Only a
+    str or os.PathLike is a path: os.stat would read an integer as an open file descriptor."""
+    if not isinstance(path, (str, os.PathLike)) or isinstance(os.fspath(path), bytes):
+        raise AllocMoeError(f"{what} must be a path (str or os.PathLike), got {type(path).__name__}; give a path")
     if str(path) == "":
         raise AllocMoeError(f"{what} is an empty path; give a path")
     try:

@@ -44,7 +44,8 @@ class StaticTopK:
 
     def check(self, k_orig: int) -> None:
         if not (isinstance(self.k, int) and 1 <= self.k <= k_orig):
-            raise AllocMoeError(f"top-k policy needs a whole k in [1, {k_orig}], got k={self.k}")
+            raise AllocMoeError(f"top-k policy needs a whole k in [1, {k_orig}], got k={self.k}"
+                                "; give a value in that range")
 
 
 @dataclass(frozen=True)
@@ -56,11 +57,12 @@ class AllocT:
 
     def check(self, k_orig: int) -> None:
         if not 1 <= self.k <= k_orig:
-            raise AllocMoeError(f"alloc-t policy needs k in [1, {k_orig}], got k={self.k}")
+            raise AllocMoeError(f"alloc-t policy needs k in [1, {k_orig}], got k={self.k}; give a value in that range")
         if not (isinstance(self.k_base, int) and 0 <= self.k_base <= self.k):
-            raise AllocMoeError(f"alloc-t policy needs a whole k_base in [0, k={self.k}], got k_base={self.k_base}")
+            raise AllocMoeError(f"alloc-t policy needs a whole k_base in [0, k={self.k}], got k_base={self.k_base}"
+                                "; give a value in that range")
         if self.pool not in ("batch", "sequence"):
-            raise AllocMoeError(f"alloc-t pool must be 'batch' or 'sequence', got {self.pool!r}")
+            raise AllocMoeError(f"alloc-t pool must be 'batch' or 'sequence', got {self.pool!r}; give one of those")
 
     def counts(self, cand_probs: torch.Tensor, valid: torch.Tensor, batch_size: int) -> torch.Tensor:
         num_tokens, k_orig = cand_probs.shape
@@ -93,7 +95,7 @@ class TopP:
 
     def check(self, k_orig: int) -> None:
         if not 0 < self.p <= 1:
-            raise AllocMoeError(f"top-p policy needs p in (0, 1], got p={self.p}")
+            raise AllocMoeError(f"top-p policy needs p in (0, 1], got p={self.p}; give a value in that range")
 
     def counts(self, cand_probs: torch.Tensor, valid: torch.Tensor, batch_size: int) -> torch.Tensor:
         before = cand_probs.cumsum(-1) - cand_probs                     # [T, K] mass before each candidate
@@ -108,7 +110,7 @@ class NaeeSkip:
 
     def check(self, k_orig: int) -> None:
         if not self.beta >= 0:
-            raise AllocMoeError(f"naee policy needs beta >= 0, got beta={self.beta}")
+            raise AllocMoeError(f"naee policy needs beta >= 0, got beta={self.beta}; give a value in that range")
 
     def counts(self, cand_probs: torch.Tensor, valid: torch.Tensor, batch_size: int) -> torch.Tensor:
         kept = cand_probs >= self.beta * cand_probs[:, :1]              # [T, K]
@@ -159,11 +161,14 @@ class DistinctExperts:
 
     def check(self, k_orig: int) -> None:
         if not (isinstance(self.max_experts, int) and not isinstance(self.max_experts, bool) and self.max_experts >= 1):
-            raise AllocMoeError(f"distinct policy needs a whole max_experts >= 1, got max_experts={self.max_experts}")
+            raise AllocMoeError(f"distinct policy needs a whole max_experts >= 1, got max_experts={self.max_experts}"
+                                "; give a value in that range")
         if not (isinstance(self.k_floor, int) and 1 <= self.k_floor <= k_orig):
-            raise AllocMoeError(f"distinct policy needs a whole k_floor in [1, {k_orig}], got k_floor={self.k_floor}")
+            raise AllocMoeError(f"distinct policy needs a whole k_floor in [1, {k_orig}], got k_floor={self.k_floor}"
+                                "; give a value in that range")
         if self.k is not None and not 1 <= self.k <= k_orig:
-            raise AllocMoeError(f"distinct policy's k (informational) must lie in [1, {k_orig}], got k={self.k}")
+            raise AllocMoeError(f"distinct policy's k (informational) must lie in [1, {k_orig}], got k={self.k}"
+                                "; give a value in that range")
 
     def select(self, cand_idx: torch.Tensor, cand_probs: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor,
                batch_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
