@@ -239,7 +239,8 @@ def _add_plan(model, plan, second):
 def _bad_calls(model, tok, folder, tmp_path):
     """(call, a substring of its message): plain mistakes, each an AllocMoeError before any work."""
     from allocmoe import (AllocateConfig, Plan, DistinctConfig, PerplexityConfig, ProfileConfig, allocate_distinct,
-                          distinct_plan, distinct_profile, evaluate_perplexity, profile_sensitivity, read_text)
+                          distinct_plan, distinct_profile, evaluate_perplexity, generate, profile_sensitivity,
+                          read_text)
 
     text, _ = read_text(None, "calibration")
     (tmp_path / "f.txt").write_text("a file, not a folder")
@@ -380,10 +381,18 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: Plan.load(5), "plan file must be a path"),
         (lambda: Plan.load(b"plan.json"), "plan file must be a path"),
         (lambda: allocate(profile=5, budget=0.5), "profile must be a profile"),
+        # generate
+        (lambda: generate(model, None, "x"), "generate: tokenizer must be the model's tokenizer"),
+        (lambda: generate(None, tok, "x"), "generate: model must be a loaded model"),
+        (lambda: generate(model, tok, 5), "generate: prompt must be a string or a list of token ids"),
+        (lambda: generate(model, tok, "x", stop="ab"), "generate: stop must be a list of strings"),
+        (lambda: generate(model, tok, "x", plan=5), "generate: plan must be a Plan"),
+        (lambda: generate(model, tok, "x", chat="yes"), "generate: chat must be true or false"),
+        (lambda: generate(model, tok, "x", max_new_tokens="5"), "max new tokens must be a whole number"),
     ]
 
 
-BAD_CALLS = 123          # rows in the table above: a row dropped by mistake fails the count
+BAD_CALLS = 130          # rows in the table above: a row dropped by mistake fails the count
 
 
 @pytest.mark.parametrize("index", range(BAD_CALLS))

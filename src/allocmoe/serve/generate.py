@@ -18,6 +18,7 @@ from typing import Any, Iterator
 
 from ..routing.apply import active_handle, apply_plan
 from ..errors import AllocMoeError
+from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
 from ..core.plan import Plan, model_fingerprint
 from .engine import Engine, Request
 from .prompts import chat_prompt_ids, check_token_ids, text_prompt_ids
@@ -103,6 +104,15 @@ def generate(model, tokenizer, prompt: str | list[int] | list[dict[str, Any]],
     """Generate from `prompt` (text, token ids, or, with `chat=True`, text or a list of chat
     messages put through the chat template) under `plan` (a Plan, a plan file, or None).
     Returns a TextStream: iterate it for text pieces; `.summary` says what was spent."""
+    check_model_argument("generate", model)
+    check_tokenizer_argument("generate", tokenizer)
+    if not isinstance(plan, (Plan, str, os.PathLike, type(None))):
+        raise AllocMoeError(f"generate: plan must be a Plan, a plan file's path or None, got {type(plan).__name__}; "
+                            "give one of those")
+    check_argument("generate", "chat", chat, bool)
+    if isinstance(stop, str) or not isinstance(stop, (list, tuple)):
+        raise AllocMoeError(f"generate: stop must be a list of strings, got {type(stop).__name__}; give e.g. "
+                            "[\"\\n\\n\"]")
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             stop=tuple(stop))
     if plan is not None and not isinstance(plan, Plan):
@@ -118,7 +128,8 @@ def generate(model, tokenizer, prompt: str | list[int] | list[dict[str, Any]],
     elif isinstance(prompt, (list, tuple)) and all(isinstance(i, int) for i in prompt):
         ids = check_token_ids(list(prompt), int(model.config.vocab_size))
     else:
-        raise AllocMoeError("prompt must be a string or a list of token ids (chat messages need chat=True)")
+        raise AllocMoeError(f"generate: prompt must be a string or a list of token ids, got "
+                            f"{type(prompt).__name__}; give text or ids (chat messages need chat=True)")
     if not ids:
         raise AllocMoeError("the prompt is empty; give at least one token")
     Engine(model, tokenizer).check_fits(len(ids), params.max_new_tokens)
