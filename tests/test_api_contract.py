@@ -238,6 +238,7 @@ def _add_plan(model, plan, second):
 
 def _bad_calls(model, tok, folder, tmp_path):
     """(call, a substring of its message): plain mistakes, each an AllocMoeError before any work."""
+    from allocmoe.measure.sweep import SweepConfig, sweep
     from allocmoe import (AllocateConfig, Plan, DistinctConfig, PerplexityConfig, ProfileConfig, allocate_distinct,
                           distinct_plan, distinct_profile, evaluate_perplexity, generate, profile_sensitivity,
                           read_text)
@@ -389,10 +390,18 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: generate(model, tok, "x", plan=5), "generate: plan must be a Plan"),
         (lambda: generate(model, tok, "x", chat="yes"), "generate: chat must be true or false"),
         (lambda: generate(model, tok, "x", max_new_tokens="5"), "max new tokens must be a whole number"),
+        # sweep: its config at the door, and a batch past the test text's windows before the profile
+        (lambda: SweepConfig(bogus=1), "unknown SweepConfig field(s) ['bogus']"),
+        (lambda: SweepConfig(batch_size=0), "batch_size (--batch-size) must be a whole number >= 1"),
+        (lambda: SweepConfig(seq_len="32"), "seq_len (--seq-len) must be a whole number"),
+        (lambda: SweepConfig(budgets="0.5"), "budgets (--budgets) must be a tuple of strings"),
+        (lambda: sweep(model, tok, text, text, {"methods": ["uniform"], "seq_len": 32, "eval_max_tokens": 256,
+                                                "batch_size": 10**9, "progress": False}),
+         "is more than the 8 window(s) of 32 tokens"),
     ]
 
 
-BAD_CALLS = 130          # rows in the table above: a row dropped by mistake fails the count
+BAD_CALLS = 135          # rows in the table above: a row dropped by mistake fails the count
 
 
 @pytest.mark.parametrize("index", range(BAD_CALLS))

@@ -31,7 +31,7 @@ import platform
 import sys
 import time
 from contextlib import closing
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,9 +42,9 @@ from tqdm import tqdm
 from .. import __version__
 from ..routing.apply import apply_plan
 from ..core.budget import Budget
-from ..core.config import checked_config
+from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError, Interrupted
-from .evaluate.perplexity import window_len, evaluate_perplexity, tokenize_windows
+from .evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, json_safe, read_json
 from ..calibrate.methods import METHODS, AllocateConfig, allocate
 from ..core.plan import model_fingerprint
@@ -56,17 +56,17 @@ READS_PROFILE = ("alloc-moe", "alloc-l", "auto")     # the methods that read the
 ROWS_FILE = "rows.partial.json"                     # finished rows of a sweep not yet written out
 
 
-@dataclass
+@config_class(flags={"eval_max_tokens": "--eval-tokens", "task_limit": "--limit"})
 class SweepConfig:
-    budgets: tuple[str, ...] = DEFAULT_BUDGETS      # fractions or counts, as `--budget` takes them
-    methods: tuple[str, ...] = METHODS              # every method by default
+    budgets: tuple[str, ...] | list[str] = DEFAULT_BUDGETS   # "1/2", "0.5", "78": as `--budget` takes them
+    methods: tuple[str, ...] | list[str] = METHODS  # every method by default
     eval_max_tokens: int | None = 16384             # test tokens scored per row (None = the whole text)
     seq_len: int | None = None                      # window for calibration and evaluation
     batch_size: int = 4                             # windows per forward pass
     k_base: int = 1                                 # Alloc-T's k_base for alloc-moe and alloc-t
-    profile: ProfileConfig = field(default_factory=ProfileConfig)   # calibration for profiling
+    profile: ProfileConfig | dict = field(default_factory=ProfileConfig)   # calibration for profiling
     progress: bool = True
-    tasks: tuple[str, ...] = ()                     # lm-eval tasks scored per row (needs allocmoe[eval])
+    tasks: tuple[str, ...] | list[str] = ()         # lm-eval tasks scored per row (needs allocmoe[eval])
     task_limit: int | None = None                   # lm-eval: at most N examples per task
     num_fewshot: int | None = None
     include_path: str | None = None
@@ -74,7 +74,10 @@ class SweepConfig:
     ray_workers: int | None = None                  # Ray actors holding the model; None = the cluster's CPUs // threads
     threads_per_worker: int = 1                     # torch threads (and Ray CPUs) per actor
 
-    def __post_init__(self):
+    def __post_init__(self):        # types are checked by @config_class before this runs
+        self.budgets, self.methods, self.tasks = tuple(self.budgets), tuple(self.methods), tuple(self.tasks)
+        check_counts(self, {"eval_max_tokens": 1, "seq_len": 2, "batch_size": 1, "k_base": 0, "task_limit": 1,
+                            "num_fewshot": 0, "threads_per_worker": 1})
         self.profile = checked_config(ProfileConfig, self.profile)
         if self.profile.ray is not None:
             raise AllocMoeError("SweepConfig.profile.ray is set; give ray (and ray_workers, threads_per_worker) on "
@@ -124,6 +127,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
     seq_len = window_len(model, config.seq_len)
     eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
+    check_batch_size(eval_windows, config.batch_size)        # the CLI's refusal, before the profile's hours
     pairs = [(budget, method) for budget in budgets for method in config.methods]
     items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
     results_of: dict[Any, Any] = {}                     # "full" or a row's index -> its result
