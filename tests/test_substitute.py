@@ -136,6 +136,31 @@ def test_the_means_file_travels_with_the_plan_and_is_checked(tmp_path):
         Plan.from_dict(doc)
 
 
+def test_a_plan_that_fails_to_write_leaves_the_earlier_plan_and_its_means_as_they_were(tmp_path, monkeypatch):
+    """Saving over a plan with means: the means file is staged, the plan written, then the means
+    renamed in; a failed plan write (here an interrupt inside it) must not touch the earlier pair."""
+    import allocmoe.core.plan as plan_module
+
+    model = build_tiny("olmoe")
+    old = plan_of(model, StaticTopK(2))
+    old.means = random_means(model, seed=0)
+    old.save(tmp_path / "half.json")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    new = plan_of(model, StaticTopK(3))
+    new.means = random_means(model, seed=1)
+
+    def interrupted(path, obj):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(plan_module, "atomic_write_json", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        new.save(tmp_path / "half.json")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before      # no temporary file left either
+    loaded = Plan.load(tmp_path / "half.json", model)
+    for index, t in old.means.means.items():
+        assert torch.equal(loaded.means.means[index], t)
+
+
 def test_means_for_another_shape_are_refused(tmp_path):
     model = build_tiny("olmoe")
     plan = plan_of(model, StaticTopK(2))

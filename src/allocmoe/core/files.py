@@ -8,8 +8,9 @@ import os
 import stat
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 from ..errors import AllocMoeError
 
@@ -29,6 +30,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     """Write to a temporary file in the same folder, then rename over `path`. Only a new file or a
     regular file is replaced: a device, FIFO, socket or folder at `path` is refused (as root, renaming
     over /dev/null would replace the device with a file)."""
+    with staged_file(path, data):
+        pass
+
+
+@contextmanager
+def staged_file(path: str | os.PathLike, data: bytes) -> Iterator[None]:
+    """`data` written to a temporary file beside `path` now, renamed over `path` when the block ends
+    without an error, removed if it raises. Two files that must change together (a plan and its means
+    file): stage one and write the other inside the block, so a failure of the second leaves the first
+    as it was (the same checks as atomic_write_bytes)."""
     path = Path(path)
     check_writable_target(path, "output file")
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -42,6 +53,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
             f.flush()
             os.fsync(f.fileno())                # the data is on disk before the rename makes it the file
         os.chmod(tmp, 0o666 & ~UMASK)          # mkstemp makes 0600; give the usual permissions
+        yield
         os.replace(tmp, path)
     except BaseException:
         if tmp is not None and os.path.exists(tmp):

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 
 from ..errors import AllocMoeError
-from .files import atomic_write_bytes, existing_file
+from .files import existing_file
 
 FORMAT = "allocmoe-expert-means"
 SUFFIX = ".means.safetensors"
@@ -92,13 +92,6 @@ def sidecar_name(plan_path: str | Path) -> str:
     """The means file written beside plan `dir/name.json`: `name.means.safetensors`."""
     name = Path(plan_path).name
     return (name[:-5] if name.endswith(".json") else name) + SUFFIX
-
-
-def write_means(means: ExpertMeans, path: Path) -> str:
-    """Write the means file atomically; returns its SHA-256 (hex) for the plan to record."""
-    data = means.to_bytes()
-    atomic_write_bytes(path, data)
-    return hashlib.sha256(data).hexdigest()
 
 
 def read_means(path: Path, sha256: str, what: str) -> ExpertMeans:

@@ -21,15 +21,16 @@ A plan is data only: loading never executes anything from the file (or from its 
 from __future__ import annotations
 
 import datetime as _dt
+import hashlib
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from ..errors import AllocMoeError
-from .files import atomic_write_json, read_json
+from .files import atomic_write_json, read_json, staged_file
 from .formats import PLAN_FORMAT_VERSION as FORMAT_VERSION
 from .formats import PlanDocument, validated
-from .means import ExpertMeans, read_means, sidecar_name, write_means
+from .means import ExpertMeans, read_means, sidecar_name
 from .policies import Policy, policy_from_entry, policy_to_dict
 
 FINGERPRINT_KEYS = ("model_type", "num_moe_layers", "num_experts", "k_orig", "moe_layers")
@@ -118,17 +119,17 @@ class Plan:
     def save(self, path) -> None:
         """Write the plan (and, with means, its means file beside it: `<name>.means.safetensors`)."""
         path = Path(path)
-        sidecar = None
-        if self.means is not None:
-            sidecar = path.parent / sidecar_name(path)
-            self.substitute = {"means_file": sidecar.name, "sha256": write_means(self.means, sidecar),
-                               "tokens": self.means.tokens}
-        try:
+        if self.means is None:
             atomic_write_json(path, self.to_document())
-        except BaseException:           # never leave a means file without its plan
-            if sidecar is not None:
-                sidecar.unlink(missing_ok=True)
-            raise
+            return
+        sidecar, data = path.parent / sidecar_name(path), self.means.to_bytes()
+        self.substitute = {"means_file": sidecar.name, "sha256": hashlib.sha256(data).hexdigest(),
+                           "tokens": self.means.tokens}
+        # the means file is staged, the plan written, then the means renamed into place: a plan that
+        # fails to write leaves an earlier plan and its means file as they were (an interrupt between
+        # the two renames leaves a new plan whose means hash does not match: refused on load, never used)
+        with staged_file(sidecar, data):
+            atomic_write_json(path, self.to_document())
 
     @classmethod
     def load(cls, path, model=None) -> "Plan":
