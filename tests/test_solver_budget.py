@@ -4,6 +4,8 @@ import itertools
 import random
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from allocmoe import AllocMoeError, Budget
 from allocmoe.core.solver import allocation_cost, solve_allocation
@@ -193,3 +195,44 @@ def test_a_perplexity_target_is_read_in_ascii_only(text):
 def test_negative_zero_is_not_a_budget(text):
     with pytest.raises(AllocMoeError, match="must be positive"):
         Budget.parse(text, num_layers=26, k_orig=6)
+
+
+# -- fuzz: what a budget string may be, held to an independent reading ------------------------------------
+_ALPHABET = "0123456789./%eE+-_ \t\u0661\u0665\uff15\u00b9\u2155"     # ASCII forms and their look-alikes
+
+
+def _independent_budget(text: str):
+    """The documented forms read without the parser: ASCII digits, one optional '.', an optional
+    exponent and '%', or N/M; None for anything else (Fraction reads the number exactly)."""
+    import re
+    from fractions import Fraction
+
+    if not re.fullmatch(r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?%?|[0-9]+/[0-9]+", text):
+        return None
+    if text.endswith("%"):
+        return Fraction(text[:-1]) / 100, True
+    if "/" in text:
+        num, den = text.split("/")
+        return (Fraction(int(num), int(den)) if int(den) else None), True
+    value = Fraction(text)
+    return value, value <= 1
+
+
+@settings(max_examples=600, deadline=None)
+@given(st.text(alphabet=_ALPHABET, max_size=8) | st.text(max_size=6))
+def test_a_budget_string_is_read_exactly_when_it_is_a_documented_form(text):
+    expected = _independent_budget(text)
+    full = 26 * 6
+    try:
+        budget = Budget.parse(text, num_layers=26, k_orig=6)
+    except AllocMoeError as exc:
+        assert "\n" not in str(exc) and "; " in str(exc), str(exc)
+        if expected is not None and expected[0] is not None:        # refused a documented form: only if out of range
+            value, is_fraction = expected
+            count = value * full if is_fraction else value
+            assert not 26 <= count <= full or not 0 < value, (text, str(exc))
+        return
+    assert expected is not None and expected[0] is not None, f"read {text!r}, which is no documented form"
+    value, is_fraction = expected
+    count = float(value * full) if is_fraction else float(value)
+    assert 26 <= count <= full and abs(budget.activations_per_token - count) <= 1e-8, (text, budget)
