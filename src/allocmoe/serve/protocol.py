@@ -9,6 +9,7 @@ surrogate is refused here (no tokenizer takes it).
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -42,6 +43,26 @@ def _well_formed(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_well_formed)]
+
+# A budget as text: a fraction ("0.4", "1/3", "40%") or a count ("14.4"), ASCII digits, short. Checked
+# here because Python's number parsing (fractions.Fraction) takes far more: "1e999999999" builds
+# 10**999999999 while holding the GIL, which froze every client of the server for hours (and
+# SIGTERM with it); "1_0", Arabic-Indic and full-width digits and "50 %" were read as numbers too.
+BUDGET_PATTERN = r"^(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?%?|[0-9]+/[0-9]+)$"
+BUDGET_MAX_CHARS = 32
+_BUDGET_TEXT = re.compile(BUDGET_PATTERN)
+
+
+def _budget_text(text: str) -> str:
+    if len(text) > BUDGET_MAX_CHARS or not _BUDGET_TEXT.fullmatch(text):
+        raise ValueError(f"the budget is not a number in a form the server reads: give a fraction of the full "
+                         f"budget (0.4, \"1/3\", \"40%\") or a count of activations per token (14.4), in ASCII "
+                         f"digits, at most {BUDGET_MAX_CHARS} characters")
+    return text
+
+
+BudgetText = Annotated[str, AfterValidator(_budget_text),
+                       Field(json_schema_extra={"pattern": BUDGET_PATTERN, "maxLength": BUDGET_MAX_CHARS})]
 Prompt = Annotated[str, Field(min_length=1), AfterValidator(_well_formed)]
 TokenIds = Annotated[list[Annotated[int, Field(json_schema_extra={"minimum": 0})]], Field(min_length=1)]
 Stop = Annotated[str, AfterValidator(_well_formed), Field(json_schema_extra={"minLength": 1})]  # server's message
@@ -55,7 +76,7 @@ class _Strict(BaseModel):
 class AllocMoeOptions(_Strict):
     """The `allocmoe` extension field: which plan routes this request."""
     plan: Text | None = Field(None, description="a plan the server was started with (--plan NAME=FILE)")
-    budget: float | Text | None = Field(None, description="allocate a plan for this budget from --profile: "
+    budget: float | BudgetText | None = Field(None, description="allocate a plan for this budget from --profile: "
                                        "a fraction (0.5, '1/2', '50%') or a count of activations per token")
     method: Literal[ON_THE_FLY_METHODS] = Field("alloc-moe", description="allocation method for `budget`")  # type: ignore[valid-type]
 

@@ -1,0 +1,133 @@
+"""The server against a hostile client, over loopback: whatever arrives, the answer is a 4xx with the
+OpenAI error JSON (never a 5xx, a hang, a traceback, a plain-text body or a redirect), and no request
+stalls the others. No wall-clock assertions: every wait is bounded only to turn a hang into a failure."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import socket
+
+import httpx
+import pytest
+
+from allocmoe import load_model
+from allocmoe.serve.app import ServerConfig, create_app
+from test_serve import serving
+
+HANG = 60       # seconds: only ever reached when something hangs
+
+
+@pytest.fixture(scope="module")
+def base():
+    model, tok = load_model()
+    with serving(create_app(model, tok, ServerConfig(max_batch_size=2, max_queue=8))) as url:
+        yield url
+
+
+def port_of(url: str) -> int:
+    return int(url.rsplit(":", 1)[1])
+
+
+def exchange(port: int, data: bytes) -> bytes:
+    """Send `data` on a fresh connection; what comes back until the server closes it or has sent one
+    whole response (a hang fails after HANG s)."""
+    sock = socket.create_connection(("127.0.0.1", port), timeout=HANG)
+    out = b""
+    with contextlib.suppress(ConnectionResetError), sock:
+        sock.sendall(data)
+        while chunk := sock.recv(65536):
+            out += chunk
+            head, sep, body = out.partition(b"\r\n\r\n")
+            length = [int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                      if line.lower().startswith(b"content-length:")]
+            if sep and length and len(body) >= length[0]:
+                break
+    return out
+
+
+def assert_json_error(answer: bytes, status: int) -> dict:
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 %d " % status), answer[:300]
+    assert b"content-type: application/json" in head.lower(), head
+    error = json.loads(body)["error"]
+    assert error["code"] == status and error["message"] and "Traceback" not in error["message"], error
+    return error
+
+
+def post(base: str, body: dict, path: str = "/v1/completions") -> httpx.Response:
+    return httpx.post(f"{base}{path}", json=body, timeout=HANG)
+
+
+@pytest.mark.parametrize("budget", ["1e999999999", "1e-999999999", "50e99999999%", "9" * 20 + "e" + "9" * 20],
+                         ids=["1e999999999", "1e-999999999", "percent", "long-exponent"])
+def test_a_budget_string_with_a_huge_exponent_is_a_400_and_does_not_freeze_the_server(base, budget):
+    """Fraction('1e999999999') builds 10**999999999 holding the GIL: before this was refused, one such
+    request froze every client, /health included, for hours (and SIGTERM did not end the server)."""
+    r = post(base, {"prompt": "hi", "max_tokens": 1, "allocmoe": {"budget": budget, "method": "uniform"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allocmoe.budget", r.text
+    assert httpx.get(f"{base}/health", timeout=HANG).status_code == 200
+
+
+@pytest.mark.parametrize("budget", ["1_0", "\u0661\u0662", "\uff11\uff12", "50 %", "1 / 3", "+0.5", "0x10",
+                                    "1" * 100000], ids=["underscore", "arabic-indic", "full-width", "inner-space",
+                                                        "spaced-slash", "plus", "hex", "100k-digits"])
+def test_a_budget_string_outside_the_documented_forms_is_a_400_that_does_not_echo_it_whole(base, budget):
+    """Python's number parsing takes underscores, Arabic-Indic and full-width digits, inner spaces;
+    the documented forms are 0.4, "1/3", "40%" and a count, in ASCII."""
+    r = post(base, {"prompt": "hi", "max_tokens": 1, "allocmoe": {"budget": budget, "method": "uniform"}})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "allocmoe.budget", r.text
+    assert len(r.text) < 2000                    # a 100 000-character budget was echoed back whole
+
+
+@pytest.mark.parametrize("budget", ["1/3", "0.5", "50%", "12", "2.5e-1", ".5", 0.5, 12])
+def test_the_documented_budget_forms_are_served(base, budget):
+    r = post(base, {"prompt": "hi", "max_tokens": 1, "allocmoe": {"budget": budget, "method": "uniform"}})
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize("request_bytes", [
+    b"\x16\x03\x01\x00\xa5\x01\x00\x00\xa1\x03\x03" + b"\x00" * 64 + b"\r\n\r\n",       # a TLS hello
+    b"GET /health HTTP/1.1\r\n\r\n",                                                    # no Host
+    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: 2\r\nContent-Length: 5\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nContent-Length: -1\r\n\r\n{}",
+    b"POST /v1/completions HTTP/1.1\r\nHost: t\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n{}\r\n0\r\n\r\n",
+    b"GET /health HTTP/1.1\r\nHost: t\r\nX-A: \xff\x00\r\n\r\n",
+], ids=["tls-hello", "no-host", "two-content-lengths", "negative-content-length", "bad-chunk-size",
+        "nul-in-header"])
+def test_a_request_http_cannot_parse_gets_a_400_json_error_not_plain_text(base, request_bytes):
+    """uvicorn answers these itself with 'Invalid HTTP request received.' as text/plain."""
+    error = assert_json_error(exchange(port_of(base), request_bytes), 400)
+    assert error["type"] == "BadRequestError"
+    assert httpx.get(f"{base}/health", timeout=HANG).status_code == 200
+
+
+def test_a_trailing_slash_is_a_404_json_not_a_redirect_to_the_host_header(base):
+    """Starlette redirected POST /v1/completions/ with 307 to http://<Host header>/v1/completions."""
+    body = b'{"prompt": "hi", "max_tokens": 1}'
+    answer = exchange(port_of(base), b"POST /v1/completions/ HTTP/1.1\r\nHost: evil.example\r\n"
+                      b"Content-Type: application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert_json_error(answer, 404)
+    assert b"evil.example" not in answer and b"location:" not in answer.lower()
+
+
+def test_a_long_request_line_is_logged_shortened(base):
+    """One bad request, one log line, and a short one: the access log held a 100 KB path whole."""
+    access = logging.getLogger("uvicorn.access")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append
+    level = access.level
+    access.setLevel(logging.INFO)
+    access.addHandler(handler)
+    try:
+        answer = exchange(port_of(base), b"GET /" + b"a" * 100000 + b" HTTP/1.1\r\nHost: t\r\n\r\n")
+        assert_json_error(answer, 404)
+        assert httpx.get(f"{base}/health", timeout=HANG).status_code == 200     # logged after the long one
+    finally:
+        access.removeHandler(handler)
+        access.setLevel(level)
+    lines = [r.getMessage() for r in records]
+    long = [line for line in lines if "aaaa" in line]
+    assert len(long) == 1 and len(long[0]) < 1000, [len(line) for line in long]
