@@ -6,8 +6,9 @@
   The body is read here, whole, and replayed to the app; after it, `receive` is the server's own,
   so a route still hears `http.disconnect` (Starlette's BaseHTTPMiddleware hid it: issue 39).
 - `TimedH11Protocol`, uvicorn's h11 protocol plus a deadline on the request *headers* (uvicorn has
-  none: a client that sends half a header held its connection forever) and a cap on open
-  connections (the one over the cap is answered 503 and closed).
+  none: a client that sends half a header held its connection forever), a cap on open
+  connections (the one over the cap is answered 503 and closed), and the error JSON (not
+  uvicorn's text/plain) for a request h11 cannot parse.
 - `uvicorn_config`: both, with uvicorn's keep-alive timeout and `limit_concurrency`, in one place
   that `allocmoe serve` and the tests share.
 """
@@ -168,6 +169,23 @@ class TimedH11Protocol(H11Protocol):
                 self._arm()
         else:
             self._disarm()
+
+    def send_400_response(self, msg: str) -> None:
+        """What h11 cannot parse (no Host, two Content-Lengths, a bad chunk size, a TLS hello...): uvicorn
+        answered it as text/plain; here it is the OpenAI error JSON every other refusal carries."""
+        import h11
+
+        body = json.dumps(error_body(400, "the request is not valid HTTP/1.1 (uvicorn: " + msg.rstrip(".") +
+                                     "); check the request line, the Host header and the body's framing")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:      # a response was under way already: nothing more can be said
+            pass
+        self.transport.close()
 
     def on_response_complete(self) -> None:
         self._disarm()              # idle now: uvicorn's keep-alive timeout takes over
