@@ -120,7 +120,9 @@ def create_app(model, tokenizer, config: ServerConfig | None = None) -> FastAPI:
         finally:
             server.close()
 
-    app = FastAPI(title="allocmoe", version=_version(), lifespan=lifespan,
+    # redirect_slashes off: Starlette answered POST /v1/completions/ with a 307 to http://<the client's
+    # Host header>/v1/completions, an empty-bodied redirect to wherever the client said it was
+    app = FastAPI(title="allocmoe", version=_version(), lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible completions with a per-request activation budget.")
     app.state.server = server
     _add_error_handlers(app, server)
