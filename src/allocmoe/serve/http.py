@@ -10,7 +10,8 @@
   connections (the one over the cap is answered 503 and closed), and the error JSON (not
   uvicorn's text/plain) for a request h11 cannot parse.
 - `uvicorn_config`: both, with uvicorn's keep-alive timeout and `limit_concurrency`, in one place
-  that `allocmoe serve` and the tests share.
+  that `allocmoe serve` and the tests share; and `ShortAccessLog` on uvicorn's access log, so a
+  client's 100 KB path is not logged whole.
 """
 
 from __future__ import annotations
@@ -212,16 +213,36 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()
 
 
+class ShortAccessLog(logging.Filter):
+    """Shortens what a client chose in an access-log line (its path, above all): a 100 KB request
+    line was logged whole, so one request could write a 100 KB line. One request, one short line."""
+
+    MAX_CHARS = 200
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_shorten(a, self.MAX_CHARS) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def _shorten(text: str, most: int) -> str:
+    return text if len(text) <= most else f"{text[:most]}...({len(text) - most} more characters)"
+
+
 def uvicorn_config(app, host: str, port: int, limits: HTTPLimits, log_level: str = "info"):
     """uvicorn's Config for `app` under `limits` (h11, with the header deadline and connection cap)."""
     import uvicorn
 
     protocol = type("TimedH11", (TimedH11Protocol,), {"header_timeout": limits.request_timeout,
                                                       "max_connections": limits.max_connections})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                          timeout_keep_alive=limits.timeout_keep_alive,
-                          limit_concurrency=limits.max_connections + 1,   # uvicorn refuses at >=
-                          timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                            timeout_keep_alive=limits.timeout_keep_alive,
+                            limit_concurrency=limits.max_connections + 1,   # uvicorn refuses at >=
+                            timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+    access = logging.getLogger("uvicorn.access")       # configured by uvicorn.Config, just above
+    if not any(isinstance(f, ShortAccessLog) for f in access.filters):
+        access.addFilter(ShortAccessLog())
+    return config
 
 
 def run(app, host: str, port: int, limits: HTTPLimits, log_level: str = "info") -> None:
