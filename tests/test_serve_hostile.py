@@ -169,3 +169,21 @@ def test_a_long_list_gets_a_short_400_json_over_http(base, name):
     path, body, message = LONG_LISTS[name]
     r = post(base, body, path)
     assert r.status_code == 400 and message in r.json()["error"]["message"] and len(r.text) < 1000, r.text[:300]
+
+
+@pytest.mark.parametrize("field", ["suffix", "model", "unknown-name"])
+def test_an_error_does_not_echo_a_megabyte_of_the_request(base, field):
+    big = "x" * 1_000_000
+    body = {"prompt": "hi", "max_tokens": 1, **({big: 1} if field == "unknown-name" else {field: big})}
+    r = post(base, body)
+    assert 400 <= r.status_code < 500 and r.json()["error"]["message"] and len(r.text) < 3000, (r.status_code,
+                                                                                                  len(r.text))
+
+
+@pytest.mark.parametrize("content_type", ["text/plain", "application/x-www-form-urlencoded",
+                                          "multipart/form-data; boundary=x", None])
+def test_a_body_that_is_not_sent_as_json_gets_a_400_that_says_so(base, content_type):
+    headers = {"content-type": content_type} if content_type else {}
+    r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}', headers=headers,
+                   timeout=HANG)
+    assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text

@@ -239,14 +239,20 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
+MAX_MESSAGE_CHARS = 1000
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """The error JSON of vLLM's and OpenAI's servers, which the openai client reads. Text that came
-    from the client (a field name, say) may hold a lone surrogate: it is escaped, never a 500."""
+    from the client (a field name, say) may hold a lone surrogate: it is escaped, never a 500. And it
+    may be megabytes long (a `suffix`, a `model`, an unknown field's name): shortened, not echoed whole."""
     return {"error": {"message": _printable(message), "type": ERROR_TYPES.get(status, "Error"),
                       "param": None if param is None else _printable(param), "code": status}}
 
 
 def _printable(text: str) -> str:
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = f"{text[:MAX_MESSAGE_CHARS]}...({len(text) - MAX_MESSAGE_CHARS} more characters)"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
