@@ -316,7 +316,13 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
         return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
+    async def invalid(request: HTTPRequest, exc: RequestValidationError):
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != "application/json" and not content_type.endswith("+json"):
+            # FastAPI does not read such a body as JSON; pydantic's "Input should be a valid dictionary"
+            # said nothing of why
+            return refuse(400, f"the body's Content-Type is {content_type or 'missing'!r}; send the body as "
+                               "JSON with 'Content-Type: application/json'")
         message, param = describe_validation_errors(list(exc.errors()))
         return refuse(400, message, param)
 
