@@ -187,3 +187,20 @@ def test_a_body_that_is_not_sent_as_json_gets_a_400_that_says_so(base, content_t
     r = httpx.post(f"{base}/v1/completions", content=b'{"prompt": "hi", "max_tokens": 1}', headers=headers,
                    timeout=HANG)
     assert r.status_code == 400 and "Content-Type: application/json" in r.json()["error"]["message"], r.text
+
+
+def test_metrics_keep_series_only_for_the_budget_plans_still_cached():
+    """Each budget a client asked for left ~40 series in /metrics forever (its own plan label), though
+    the plan cache holds 32: a client cycling budgets grew the server's memory and the /metrics page,
+    which is rendered on the event loop, without bound. Counted: 6 budgets through a 2-plan cache."""
+    import re
+
+    model, tok = load_model()
+    with serving(create_app(model, tok, ServerConfig(max_budget_plans=2))) as url:
+        for budget in (6, 8, 10, 12, 14, 16):
+            r = post(url, {"prompt": "hi", "max_tokens": 1, "allocmoe": {"budget": budget, "method": "uniform"}})
+            assert r.status_code == 200, r.text
+        page = httpx.get(f"{url}/metrics", timeout=HANG).text
+    plans = set(re.findall(r'plan="(uniform-B[^"]*)"', page))
+    assert plans == {"uniform-B14", "uniform-B16"}, sorted(plans)
+    assert 'allocmoe_requests_total{plan="full"' not in page       # none served here: none listed

@@ -68,7 +68,7 @@ class Server:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.metrics = ServerMetrics()
         self.registry = PlanRegistry(model, config.model_name, config.plans, config.profile,
-                                     max_budget_plans=config.max_budget_plans)
+                                     max_budget_plans=config.max_budget_plans, on_evict=self.metrics.forget)
         try:
             self.engine = Engine(model, tokenizer, self.registry.handle, config.max_batch_size, config.max_queue,
                                  on_pass=self.metrics.on_pass, max_model_len=config.max_model_len)
@@ -219,10 +219,10 @@ async def _generate(server: Server, raw: HTTPRequest, body, prompt, chat: bool):
         ended = True
         if not request.finished:
             server.engine.cancel(request)
-        server.registry.release(index)
         if status == "499":
             log.info("%s: the client went away; cancelled after %d tokens (499)", request.id, len(request.generated))
         _record(server, request, plan_name, status)
+        server.registry.release(index)      # after its metrics: a plan no request holds may be evicted, and forgotten
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -288,7 +288,7 @@ async def _stream(server: Server, request: Request, updates: _Updates, reply: Re
 def _record(server: Server, request: Request, plan_name: str | None, status: str) -> None:
     plan = plan_name or "full"
     times = request.times
-    server.metrics.requests.labels(plan, status).inc()
+    server.metrics.count(plan, status)
     server.metrics.finished(
         plan, request.prefill_tokens, len(request.generated),
         request.prefill_activations + request.decode_activations, request.prefill_tokens + request.decode_tokens,
