@@ -204,3 +204,14 @@ def test_metrics_keep_series_only_for_the_budget_plans_still_cached():
     plans = set(re.findall(r'plan="(uniform-B[^"]*)"', page))
     assert plans == {"uniform-B14", "uniform-B16"}, sorted(plans)
     assert 'allocmoe_requests_total{plan="full"' not in page       # none served here: none listed
+
+
+@pytest.mark.parametrize("body, message", [(b"", "body is empty"), (b"[]", "must be a JSON object"),
+                                           (b"null", "must be a JSON object"), (b'"hi"', "must be a JSON object"),
+                                           (b"7", "must be a JSON object")])
+def test_a_body_that_is_not_a_json_object_gets_a_400_that_says_so(base, body, message):
+    """An empty body was "missing field ''"; an array or null was pydantic's "Input should be a valid
+    dictionary or object to extract fields from"."""
+    r = httpx.post(f"{base}/v1/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=HANG)
+    assert r.status_code == 400 and message in r.json()["error"]["message"], r.text

@@ -282,7 +282,11 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
         right_type = [e for e in errs if e.get("type") not in WRONG_TYPE]
         msgs = list(dict.fromkeys(SURROGATE if e.get("type") == "string_unicode" else
                                   str(e.get("msg", "")).removeprefix("Value error, ") for e in (right_type or errs)))
-        if kind == "extra_forbidden":
+        if not where and kind == "missing":
+            parts.append("the request body is empty; send a JSON object")
+        elif not where and kind in ("model_attributes_type", "dict_type", "model_type"):
+            parts.append("the request body must be a JSON object ({...}), not an array, a string, a number or null")
+        elif kind == "extra_forbidden":
             parts.append(f"unsupported field {where!r} (allocmoe does not implement it; remove it)")
         elif kind == "missing":
             parts.append(f"missing field {where!r}")
