@@ -144,7 +144,10 @@ LONG_LISTS = {
                       "messages holds 100000 messages"),
     "100k text parts": ("/v1/chat/completions",
                         {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 100000}]},
-                        "holds 100000 parts"),
+                        "hold 100000 content parts"),
+    "14 x 9000 text parts": ("/v1/chat/completions",
+                             {"messages": [{"role": "user", "content": [{"type": "text", "text": "x"}] * 9000}] * 14},
+                             "hold 126000 content parts"),
 }
 
 

@@ -17,7 +17,7 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from ..errors import AllocMoeError
 
 MAX_STOP = 16
-MAX_MESSAGES = 10_000       # chat messages in one request, and text parts in one message
+MAX_MESSAGES = 10_000       # chat messages in one request, and text parts in all of them
 ON_THE_FLY_METHODS = ("alloc-moe", "alloc-l", "alloc-t", "uniform", "ascending", "descending")
 # OpenAI fields allocmoe does not implement, with the values it accepts for each (logprobs: see below)
 NEUTRAL = {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "echo": (False,),
@@ -108,11 +108,11 @@ def _bounded(body: Any) -> Any:
     if isinstance(messages, list):
         if len(messages) > MAX_MESSAGES:
             raise ValueError(f"messages holds {len(messages)} messages; send at most {MAX_MESSAGES}")
-        for i, m in enumerate(messages):
-            content = m.get("content") if isinstance(m, dict) else None
-            if isinstance(content, list) and len(content) > MAX_MESSAGES:
-                raise ValueError(f"messages.{i}.content holds {len(content)} parts; send at most {MAX_MESSAGES} "
-                                 "(or one string)")
+        parts = sum(len(c) for c in (m.get("content") if isinstance(m, dict) else None for m in messages)
+                    if isinstance(c, list))
+        if parts > MAX_MESSAGES:
+            raise ValueError(f"messages hold {parts} content parts; send at most {MAX_MESSAGES} in all "
+                             "(or each content as one string)")
     bias = body.get("logit_bias")
     if isinstance(bias, dict) and bias:
         raise ValueError(f"unsupported: logit_bias with {len(bias)} entries (allocmoe does not implement it); "
