@@ -40,7 +40,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import error_responses, METRICS_RESPONSES, generation_responses, tidy_openapi
 from .plans import PlanRegistry, UnknownPlan
 from .prompts import chat_prompt_ids, check_token_ids, longest_token, text_prompt_ids
-from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_errors, error_body
+from .protocol import (CONTEXT_TOKENS, ChatCompletionRequest, CompletionRequest, describe_validation_errors,
+                       error_body)
 from .replies import Reply, sse
 from .sampling import SamplingParams
 
@@ -157,8 +158,24 @@ def create_app(model, tokenizer, config: ServerConfig | None = None) -> FastAPI:
             server.tokenizer, body.chat_messages(), server.config.chat_template, server.engine.context_len),
             chat=True)
 
+    app.add_middleware(_RequestContext, context_tokens=server.engine.context_len)
     tidy_openapi(app)
     return app
+
+
+class _RequestContext:
+    """ASGI middleware: what request validation needs to know of this server (its context, so a list of
+    token ids longer than it is refused before it is validated item by item on the event loop)."""
+
+    def __init__(self, app, context_tokens: int):
+        self.app, self.context_tokens = app, context_tokens
+
+    async def __call__(self, scope, receive, send) -> None:
+        token = CONTEXT_TOKENS.set(self.context_tokens)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CONTEXT_TOKENS.reset(token)
 
 
 # -- one generation ---------------------------------------------------------------------------

@@ -10,6 +10,7 @@ surrogate is refused here (no tokenizer takes it).
 from __future__ import annotations
 
 import re
+from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -18,6 +19,8 @@ from ..errors import AllocMoeError
 
 MAX_STOP = 16
 MAX_MESSAGES = 10_000       # chat messages in one request, and text parts in all of them
+# the serving model's context, set by the app around each request: token ids past it are refused unread
+CONTEXT_TOKENS: ContextVar[int | None] = ContextVar("allocmoe_context_tokens", default=None)
 ON_THE_FLY_METHODS = ("alloc-moe", "alloc-l", "alloc-t", "uniform", "ascending", "descending")
 # OpenAI fields allocmoe does not implement, with the values it accepts for each (logprobs: see below)
 NEUTRAL = {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "echo": (False,),
@@ -98,6 +101,10 @@ def _bounded(body: Any) -> Any:
             raise ValueError(f"prompt holds {len(prompt)} prompts; send one prompt per request")
         prompt = prompt[0]
     if isinstance(prompt, list):
+        context = CONTEXT_TOKENS.get()
+        if context is not None and len(prompt) > context:     # 2 million ids held the loop 2.8 s
+            raise ValueError(f"the prompt has {len(prompt)} tokens, but the model's context is {context} tokens; "
+                             "shorten the prompt")
         bad = next((i for i, x in enumerate(prompt) if type(x) is not int), None)    # bool is not an id
         if bad is not None and not (bad == 0 and isinstance(prompt[0], (list, str))):
             raise ValueError(f"prompt: token ids must be integers; item {bad} is a {type(prompt[bad]).__name__}")
