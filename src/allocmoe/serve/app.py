@@ -40,7 +40,8 @@ from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import error_responses, METRICS_RESPONSES, generation_responses, tidy_openapi
 from .plans import PlanRegistry, UnknownPlan
 from .prompts import chat_prompt_ids, check_token_ids, longest_token, text_prompt_ids
-from .protocol import ChatCompletionRequest, CompletionRequest, describe_validation_errors, error_body
+from .protocol import (CONTEXT_TOKENS, ChatCompletionRequest, CompletionRequest, describe_validation_errors,
+                       error_body)
 from .replies import Reply, sse
 from .sampling import SamplingParams
 
@@ -68,7 +69,7 @@ class Server:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.metrics = ServerMetrics()
         self.registry = PlanRegistry(model, config.model_name, config.plans, config.profile,
-                                     max_budget_plans=config.max_budget_plans)
+                                     max_budget_plans=config.max_budget_plans, on_evict=self.metrics.forget)
         try:
             self.engine = Engine(model, tokenizer, self.registry.handle, config.max_batch_size, config.max_queue,
                                  on_pass=self.metrics.on_pass, max_model_len=config.max_model_len)
@@ -120,7 +121,9 @@ def create_app(model, tokenizer, config: ServerConfig | None = None) -> FastAPI:
         finally:
             server.close()
 
-    app = FastAPI(title="allocmoe", version=_version(), lifespan=lifespan,
+    # redirect_slashes off: Starlette answered POST /v1/completions/ with a 307 to http://<the client's
+    # Host header>/v1/completions, an empty-bodied redirect to wherever the client said it was
+    app = FastAPI(title="allocmoe", version=_version(), lifespan=lifespan, redirect_slashes=False,
                   description="OpenAI-compatible completions with a per-request activation budget.")
     app.state.server = server
     _add_error_handlers(app, server)
@@ -155,8 +158,24 @@ def create_app(model, tokenizer, config: ServerConfig | None = None) -> FastAPI:
             server.tokenizer, body.chat_messages(), server.config.chat_template, server.engine.context_len),
             chat=True)
 
+    app.add_middleware(_RequestContext, context_tokens=server.engine.context_len)
     tidy_openapi(app)
     return app
+
+
+class _RequestContext:
+    """ASGI middleware: what request validation needs to know of this server (its context, so a list of
+    token ids longer than it is refused before it is validated item by item on the event loop)."""
+
+    def __init__(self, app, context_tokens: int):
+        self.app, self.context_tokens = app, context_tokens
+
+    async def __call__(self, scope, receive, send) -> None:
+        token = CONTEXT_TOKENS.set(self.context_tokens)
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            CONTEXT_TOKENS.reset(token)
 
 
 # -- one generation ---------------------------------------------------------------------------
@@ -217,10 +236,10 @@ async def _generate(server: Server, raw: HTTPRequest, body, prompt, chat: bool):
         ended = True
         if not request.finished:
             server.engine.cancel(request)
-        server.registry.release(index)
         if status == "499":
             log.info("%s: the client went away; cancelled after %d tokens (499)", request.id, len(request.generated))
         _record(server, request, plan_name, status)
+        server.registry.release(index)      # after its metrics: a plan no request holds may be evicted, and forgotten
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -286,7 +305,7 @@ async def _stream(server: Server, request: Request, updates: _Updates, reply: Re
 def _record(server: Server, request: Request, plan_name: str | None, status: str) -> None:
     plan = plan_name or "full"
     times = request.times
-    server.metrics.requests.labels(plan, status).inc()
+    server.metrics.count(plan, status)
     server.metrics.finished(
         plan, request.prefill_tokens, len(request.generated),
         request.prefill_activations + request.decode_activations, request.prefill_tokens + request.decode_tokens,
@@ -314,7 +333,13 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
         return JSONResponse(error_body(status, message, param), status_code=status, headers=headers)
 
     @app.exception_handler(RequestValidationError)
-    async def invalid(_, exc: RequestValidationError):
+    async def invalid(request: HTTPRequest, exc: RequestValidationError):
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+        if content_type != "application/json" and not content_type.endswith("+json"):
+            # FastAPI does not read such a body as JSON; pydantic's "Input should be a valid dictionary"
+            # said nothing of why
+            return refuse(400, f"the body's Content-Type is {content_type or 'missing'!r}; send the body as "
+                               "JSON with 'Content-Type: application/json'")
         message, param = describe_validation_errors(list(exc.errors()))
         return refuse(400, message, param)
 

@@ -6,10 +6,12 @@
   The body is read here, whole, and replayed to the app; after it, `receive` is the server's own,
   so a route still hears `http.disconnect` (Starlette's BaseHTTPMiddleware hid it: issue 39).
 - `TimedH11Protocol`, uvicorn's h11 protocol plus a deadline on the request *headers* (uvicorn has
-  none: a client that sends half a header held its connection forever) and a cap on open
-  connections (the one over the cap is answered 503 and closed).
+  none: a client that sends half a header held its connection forever), a cap on open
+  connections (the one over the cap is answered 503 and closed), and the error JSON (not
+  uvicorn's text/plain) for a request h11 cannot parse.
 - `uvicorn_config`: both, with uvicorn's keep-alive timeout and `limit_concurrency`, in one place
-  that `allocmoe serve` and the tests share.
+  that `allocmoe serve` and the tests share; and `ShortAccessLog` on uvicorn's access log, so a
+  client's 100 KB path is not logged whole.
 """
 
 from __future__ import annotations
@@ -169,6 +171,23 @@ class TimedH11Protocol(H11Protocol):
         else:
             self._disarm()
 
+    def send_400_response(self, msg: str) -> None:
+        """What h11 cannot parse (no Host, two Content-Lengths, a bad chunk size, a TLS hello...): uvicorn
+        answered it as text/plain; here it is the OpenAI error JSON every other refusal carries."""
+        import h11
+
+        body = json.dumps(error_body(400, "the request is not valid HTTP/1.1 (uvicorn: " + msg.rstrip(".") +
+                                     "); check the request line, the Host header and the body's framing")).encode()
+        headers = [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode()),
+                   (b"connection", b"close")]
+        try:
+            self.transport.write(self.conn.send(h11.Response(status_code=400, headers=headers, reason=b"Bad Request")))
+            self.transport.write(self.conn.send(h11.Data(data=body)))
+            self.transport.write(self.conn.send(h11.EndOfMessage()))
+        except h11.LocalProtocolError:      # a response was under way already: nothing more can be said
+            pass
+        self.transport.close()
+
     def on_response_complete(self) -> None:
         self._disarm()              # idle now: uvicorn's keep-alive timeout takes over
         super().on_response_complete()
@@ -194,16 +213,36 @@ class TimedH11Protocol(H11Protocol):
             self.transport.close()
 
 
+class ShortAccessLog(logging.Filter):
+    """Shortens what a client chose in an access-log line (its path, above all): a 100 KB request
+    line was logged whole, so one request could write a 100 KB line. One request, one short line."""
+
+    MAX_CHARS = 200
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.args, tuple):
+            record.args = tuple(_shorten(a, self.MAX_CHARS) if isinstance(a, str) else a for a in record.args)
+        return True
+
+
+def _shorten(text: str, most: int) -> str:
+    return text if len(text) <= most else f"{text[:most]}...({len(text) - most} more characters)"
+
+
 def uvicorn_config(app, host: str, port: int, limits: HTTPLimits, log_level: str = "info"):
     """uvicorn's Config for `app` under `limits` (h11, with the header deadline and connection cap)."""
     import uvicorn
 
     protocol = type("TimedH11", (TimedH11Protocol,), {"header_timeout": limits.request_timeout,
                                                       "max_connections": limits.max_connections})
-    return uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
-                          timeout_keep_alive=limits.timeout_keep_alive,
-                          limit_concurrency=limits.max_connections + 1,   # uvicorn refuses at >=
-                          timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+    config = uvicorn.Config(app, host=host, port=port, log_level=log_level, http=protocol,
+                            timeout_keep_alive=limits.timeout_keep_alive,
+                            limit_concurrency=limits.max_connections + 1,   # uvicorn refuses at >=
+                            timeout_graceful_shutdown=limits.shutdown_timeout + 5)
+    access = logging.getLogger("uvicorn.access")       # configured by uvicorn.Config, just above
+    if not any(isinstance(f, ShortAccessLog) for f in access.filters):
+        access.addFilter(ShortAccessLog())
+    return config
 
 
 def run(app, host: str, port: int, limits: HTTPLimits, log_level: str = "info") -> None:

@@ -2,7 +2,8 @@
 
 Names follow vLLM's where one exists (`num_requests_running`, time to first token, end-to-end
 latency); plan-specific ones are allocmoe's own. The plan label is the plan's name, `full` for the
-unmodified model, and `none` for requests refused before a plan was chosen.
+unmodified model, and `none` for requests refused before a plan was chosen. A budget plan's series
+go when the plan leaves the server's cache (`forget`), so they stay as few as the cached plans.
 """
 
 from __future__ import annotations
@@ -42,6 +43,24 @@ class ServerMetrics:
         self.latency = Histogram("allocmoe_e2e_request_latency_seconds", "Submit to last token", ["plan"],
                                  registry=r)
         self._totals: dict[str, list[float]] = {}
+        self._statuses: dict[str, set[str]] = {}          # plan -> statuses counted (to forget them)
+
+    def count(self, plan: str, status: str) -> None:
+        self.requests.labels(plan, status).inc()
+        self._statuses.setdefault(plan, set()).add(status)
+
+    def forget(self, plan: str) -> None:
+        """Drop a plan's series: a budget plan evicted from the server's cache. Without this every budget
+        a client ever asked for kept ~40 series, and the /metrics page (and memory) grew without bound."""
+        for status in self._statuses.pop(plan, ()):
+            self.requests.remove(plan, status)
+        for metric in (self.prompt_tokens, self.generation_tokens, self.activations, self.routed_tokens,
+                       self.activations_per_token, self.ttft, self.latency):
+            try:
+                metric.remove(plan)
+            except KeyError:                # never observed for this plan
+                pass
+        self._totals.pop(plan, None)
 
     def on_pass(self, step: StepStats) -> None:
         self.batch_size.labels(step.kind).observe(step.rows)

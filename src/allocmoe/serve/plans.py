@@ -15,7 +15,7 @@ import re
 import threading
 from collections import OrderedDict
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from ..routing.apply import PlanHandle, apply_plans, static_plan
 from ..routing.substitute import layer_substitute
@@ -38,8 +38,10 @@ def per_sequence(plan: Plan) -> Plan:
 
 class PlanRegistry:
     def __init__(self, model, model_name: str, plans: dict[str, Plan] | None = None,
-                 profile: dict[str, Any] | None = None, max_budget_plans: int = 32):
+                 profile: dict[str, Any] | None = None, max_budget_plans: int = 32,
+                 on_evict: Callable[[str], None] = lambda name: None):
         self.model, self.model_name, self.profile = model, model_name, profile
+        self.on_evict = on_evict            # told the name of each budget plan evicted (metrics forget it)
         self.max_budget_plans = max_budget_plans
         self._budget_lru: OrderedDict[str, int] = OrderedDict()   # budget plan name -> index, oldest use first
         self._holders: dict[int, int] = {}                        # index -> requests holding it
@@ -140,6 +142,7 @@ class PlanRegistry:
                 else:
                     index = self._budget_lru.pop(victim)
                     del self._by_name[victim]
+                    self.on_evict(victim)
                     _replace_plan(self.handle, index, plan)
                     self.names[index], self.plans[index] = name, plan
                 self._by_name[name] = index

@@ -9,6 +9,8 @@ surrogate is refused here (no tokenizer takes it).
 
 from __future__ import annotations
 
+import re
+from contextvars import ContextVar
 from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
@@ -16,6 +18,9 @@ from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validat
 from ..errors import AllocMoeError
 
 MAX_STOP = 16
+MAX_MESSAGES = 10_000       # chat messages in one request, and text parts in all of them
+# the serving model's context, set by the app around each request: token ids past it are refused unread
+CONTEXT_TOKENS: ContextVar[int | None] = ContextVar("allocmoe_context_tokens", default=None)
 ON_THE_FLY_METHODS = ("alloc-moe", "alloc-l", "alloc-t", "uniform", "ascending", "descending")
 # OpenAI fields allocmoe does not implement, with the values it accepts for each (logprobs: see below)
 NEUTRAL = {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "echo": (False,),
@@ -42,6 +47,26 @@ def _well_formed(text: str) -> str:
 
 
 Text = Annotated[str, AfterValidator(_well_formed)]
+
+# A budget as text: a fraction ("0.4", "1/3", "40%") or a count ("14.4"), ASCII digits, short. Checked
+# here because Python's number parsing (fractions.Fraction) takes far more: "1e999999999" builds
+# 10**999999999 while holding the GIL, which froze every client of the server for hours (and
+# SIGTERM with it); "1_0", Arabic-Indic and full-width digits and "50 %" were read as numbers too.
+BUDGET_PATTERN = r"^(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?%?|[0-9]+/[0-9]+)$"
+BUDGET_MAX_CHARS = 32
+_BUDGET_TEXT = re.compile(BUDGET_PATTERN)
+
+
+def _budget_text(text: str) -> str:
+    if len(text) > BUDGET_MAX_CHARS or not _BUDGET_TEXT.fullmatch(text):
+        raise ValueError(f"the budget is not a number in a form the server reads: give a fraction of the full "
+                         f"budget (0.4, \"1/3\", \"40%\") or a count of activations per token (14.4), in ASCII "
+                         f"digits, at most {BUDGET_MAX_CHARS} characters")
+    return text
+
+
+BudgetText = Annotated[str, AfterValidator(_budget_text),
+                       Field(json_schema_extra={"pattern": BUDGET_PATTERN, "maxLength": BUDGET_MAX_CHARS})]
 Prompt = Annotated[str, Field(min_length=1), AfterValidator(_well_formed)]
 TokenIds = Annotated[list[Annotated[int, Field(json_schema_extra={"minimum": 0})]], Field(min_length=1)]
 Stop = Annotated[str, AfterValidator(_well_formed), Field(json_schema_extra={"minLength": 1})]  # server's message
@@ -55,7 +80,7 @@ class _Strict(BaseModel):
 class AllocMoeOptions(_Strict):
     """The `allocmoe` extension field: which plan routes this request."""
     plan: Text | None = Field(None, description="a plan the server was started with (--plan NAME=FILE)")
-    budget: float | Text | None = Field(None, description="allocate a plan for this budget from --profile: "
+    budget: float | BudgetText | None = Field(None, description="allocate a plan for this budget from --profile: "
                                        "a fraction (0.5, '1/2', '50%') or a count of activations per token")
     method: Literal[ON_THE_FLY_METHODS] = Field("alloc-moe", description="allocation method for `budget`")  # type: ignore[valid-type]
 
@@ -64,7 +89,50 @@ class StreamOptions(_Strict):
     include_usage: bool = False
 
 
+def _bounded(body: Any) -> Any:
+    """Refuse, before pydantic walks them, the long lists that would cost it seconds. Validation runs on
+    the event loop (and would hold the GIL off it): a 2 MB `prompt` of 400 000 one-id lists took 3.5 s
+    there, every other client waiting, and 400 000 floats as token ids made 1.2 million errors."""
+    if not isinstance(body, dict):
+        return body
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (list, str)):
+        if len(prompt) != 1:
+            raise ValueError(f"prompt holds {len(prompt)} prompts; send one prompt per request")
+        prompt = prompt[0]
+    if isinstance(prompt, list):
+        context = CONTEXT_TOKENS.get()
+        if context is not None and len(prompt) > context:     # 2 million ids held the loop 2.8 s
+            raise ValueError(f"the prompt has {len(prompt)} tokens, but the model's context is {context} tokens; "
+                             "shorten the prompt")
+        bad = next((i for i, x in enumerate(prompt) if type(x) is not int), None)    # bool is not an id
+        if bad is not None and not (bad == 0 and isinstance(prompt[0], (list, str))):
+            raise ValueError(f"prompt: token ids must be integers; item {bad} is a {type(prompt[bad]).__name__}")
+    stop = body.get("stop")
+    if isinstance(stop, list) and len(stop) > MAX_STOP:
+        raise ValueError(f"stop has {len(stop)} strings; give at most {MAX_STOP}")
+    messages = body.get("messages")
+    if isinstance(messages, list):
+        if len(messages) > MAX_MESSAGES:
+            raise ValueError(f"messages holds {len(messages)} messages; send at most {MAX_MESSAGES}")
+        parts = sum(len(c) for c in (m.get("content") if isinstance(m, dict) else None for m in messages)
+                    if isinstance(c, list))
+        if parts > MAX_MESSAGES:
+            raise ValueError(f"messages hold {parts} content parts; send at most {MAX_MESSAGES} in all "
+                             "(or each content as one string)")
+    bias = body.get("logit_bias")
+    if isinstance(bias, dict) and bias:
+        raise ValueError(f"unsupported: logit_bias with {len(bias)} entries (allocmoe does not implement it); "
+                         "remove it")
+    return body
+
+
 class _Sampling(_Strict):
+    @model_validator(mode="before")
+    @classmethod
+    def _bounded(cls, body: Any) -> Any:
+        return _bounded(body)
+
     model: Text | None = Field(None, description="MODEL, or MODEL@PLAN to pick a plan")
     max_tokens: int | None = Field(None, ge=1, description="new tokens at most (default: the rest of the context)")
     temperature: float = Field(1.0, ge=0, le=100)
@@ -178,14 +246,20 @@ ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoun
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
+MAX_MESSAGE_CHARS = 1000
+
+
 def error_body(status: int, message: str, param: str | None = None) -> dict[str, Any]:
     """The error JSON of vLLM's and OpenAI's servers, which the openai client reads. Text that came
-    from the client (a field name, say) may hold a lone surrogate: it is escaped, never a 500."""
+    from the client (a field name, say) may hold a lone surrogate: it is escaped, never a 500. And it
+    may be megabytes long (a `suffix`, a `model`, an unknown field's name): shortened, not echoed whole."""
     return {"error": {"message": _printable(message), "type": ERROR_TYPES.get(status, "Error"),
                       "param": None if param is None else _printable(param), "code": status}}
 
 
 def _printable(text: str) -> str:
+    if len(text) > MAX_MESSAGE_CHARS:
+        text = f"{text[:MAX_MESSAGE_CHARS]}...({len(text) - MAX_MESSAGE_CHARS} more characters)"
     return text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
@@ -215,7 +289,11 @@ def describe_validation_errors(errors: list[dict[str, Any]]) -> tuple[str, str |
         right_type = [e for e in errs if e.get("type") not in WRONG_TYPE]
         msgs = list(dict.fromkeys(SURROGATE if e.get("type") == "string_unicode" else
                                   str(e.get("msg", "")).removeprefix("Value error, ") for e in (right_type or errs)))
-        if kind == "extra_forbidden":
+        if not where and kind == "missing":
+            parts.append("the request body is empty; send a JSON object")
+        elif not where and kind in ("model_attributes_type", "dict_type", "model_type"):
+            parts.append("the request body must be a JSON object ({...}), not an array, a string, a number or null")
+        elif kind == "extra_forbidden":
             parts.append(f"unsupported field {where!r} (allocmoe does not implement it; remove it)")
         elif kind == "missing":
             parts.append(f"missing field {where!r}")
