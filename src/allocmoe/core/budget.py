@@ -16,9 +16,12 @@ from ..errors import AllocMoeError
 
 
 _DECIMAL = r"(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?"
-# the documented forms, in ASCII only: 0.5, .5, 78, 78.0, 1e-1 (str() of a float), 50%, 12.5%, 1/2; a
-# leading "-" only so that "-0.5" is told it must be positive. No "_", no spaces, no other digits:
-# Python's float() and Fraction() would take "1_0", "50 %" and "١" (an Arabic-Indic one).
+# the documented forms, in ASCII only: 0.5, .5, 78, 78.0, 1e-1 (str() of a float), 50%, 12.5%, 1/2. No
+# "_", no spaces, no other digits, an exponent of at most 3 digits: Python's float() and Fraction()
+# would take "1_0", "50 %" and "١" (an Arabic-Indic one), and Fraction("1e999999999") builds
+# 10**999999999 holding the GIL for hours. The server's request schema publishes this pattern.
+BUDGET_PATTERN = rf"^(?:{_DECIMAL}%?|[0-9]+/[0-9]+)$"
+# a leading "-" too, only so that "-0.5" is told it must be positive
 _BUDGET_FORM = re.compile(rf"-?(?:{_DECIMAL}%?|[0-9]+/[0-9]+)")
 
 

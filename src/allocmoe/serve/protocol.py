@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
 
+from ..core.budget import BUDGET_PATTERN
 from ..errors import AllocMoeError
 
 MAX_STOP = 16
@@ -48,11 +49,9 @@ def _well_formed(text: str) -> str:
 
 Text = Annotated[str, AfterValidator(_well_formed)]
 
-# A budget as text: a fraction ("0.4", "1/3", "40%") or a count ("14.4"), ASCII digits, short. Checked
-# here because Python's number parsing (fractions.Fraction) takes far more: "1e999999999" builds
-# 10**999999999 while holding the GIL, which froze every client of the server for hours (and
-# SIGTERM with it); "1_0", Arabic-Indic and full-width digits and "50 %" were read as numbers too.
-BUDGET_PATTERN = r"^(?:(?:[0-9]+(?:\.[0-9]*)?|\.[0-9]+)(?:[eE][+-]?[0-9]{1,3})?%?|[0-9]+/[0-9]+)$"
+# A budget as text: a fraction ("0.4", "1/3", "40%") or a count ("14.4"), ASCII digits, short: the
+# library's documented forms (core/budget.py), checked in the request model so that a body with another
+# one is a 400 before anything parses it ("1e999999999" once froze every client for hours).
 BUDGET_MAX_CHARS = 32
 _BUDGET_TEXT = re.compile(BUDGET_PATTERN)
 
