@@ -192,3 +192,28 @@ def test_export_refuses_a_plan_with_means(tmp_path):
         _refuse_distinct(loaded, tmp_path / "p.json")
     with pytest.raises(AllocMoeError, match="vLLM plugin.*--substitute"):
         _check_plan(loaded, model.config, None)
+
+
+@torch.no_grad()
+def test_a_replaced_plan_routes_its_rows_as_the_new_plan_alone_means_included():
+    """PlanHandle.replace_plan (the server's evicted budget plans): the slot routes as the new plan, its
+    stand-ins included, the other slot is untouched, and a bad index or plan is refused."""
+    model = build_tiny("qwen3_moe")
+    ids = torch.randint(0, COMMON["vocab_size"], (2, 9), generator=torch.Generator().manual_seed(6))
+    first, kept, new = plan_of(model, StaticTopK(3)), plan_of(model, StaticTopK(1)), plan_of(model, StaticTopK(2))
+    new.means = random_means(model, rank=3)
+    alone = {}
+    for name, plan in (("kept", kept), ("new", new)):
+        with apply_plan(model, plan):
+            alone[name] = model(ids).logits
+    with apply_plans(model, [kept, first]) as handle:
+        handle.replace_plan(1, new)
+        handle.context.row_plans = [1, 0]
+        mixed = model(ids).logits
+        assert handle.plans[1] is new
+        with pytest.raises(AllocMoeError, match="index must be one of"):
+            handle.replace_plan(2, new)
+        with pytest.raises(AllocMoeError, match="replace_plan: plan must be a Plan"):
+            handle.replace_plan(0, None)
+    torch.testing.assert_close(mixed[0], alone["new"][0], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mixed[1], alone["kept"][1], rtol=1e-5, atol=1e-5)

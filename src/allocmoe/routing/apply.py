@@ -349,18 +349,37 @@ class PlanHandle:
     def add_plan(self, plan: Plan) -> int:
         """Install one more plan (a Plan, a plan file's path or a plan document, as for apply_plan) beside
         the others; returns its index for `context.row_plans`."""
+        return self._install(plan, len(self.plans), "add_plan")
+
+    def replace_plan(self, index: int, plan: Plan) -> None:
+        """Install `plan` in slot `index`, in place of the plan there (a server's plan cache evicting one
+        it made for a budget). Rows that still name `index` route by the new plan from their next pass:
+        the caller replaces only a plan no running row holds."""
+        if isinstance(index, bool) or not isinstance(index, int) or not 0 <= index < len(self.plans):
+            raise AllocMoeError(f"replace_plan: index must be one of the installed plans' 0..{len(self.plans) - 1}, "
+                                f"got {index!r}; give an index add_plan returned")
+        self._install(plan, index, "replace_plan")
+
+    def _install(self, plan, index: int, caller: str) -> int:
+        """Check `plan` against this model, then put it at `index` (the end: a new slot)."""
         if not self.active:
             raise AllocMoeError("this plan handle was removed; apply the plans again")
-        plan = as_plan(plan, "add_plan")
+        plan = as_plan(plan, caller)
         plan.check_model(self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
         added = {layer.index: layer_substitute(plan, layer) for layer in self._layers}
+        def put(slots: list, value) -> None:       # every list holds one entry per installed plan
+            if index == len(slots):
+                slots.append(value)
+            else:
+                slots[index] = value
+
         for layer in self._layers:
-            self._policies[layer.index].append(plan.layers[layer.index])
-            self._means[layer.index].append(added[layer.index])
-        self.plans.append(plan)
-        return len(self.plans) - 1
+            put(self._policies[layer.index], plan.layers[layer.index])
+            put(self._means[layer.index], added[layer.index])
+        put(self.plans, plan)
+        return index
 
     def __enter__(self) -> "PlanHandle":
         if not self.active:          # entering again would silently run the unmodified model

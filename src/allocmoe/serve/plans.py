@@ -18,7 +18,6 @@ from dataclasses import replace
 from typing import Any, Callable
 
 from ..routing.apply import PlanHandle, apply_plans, static_plan
-from ..routing.substitute import layer_substitute
 from ..core.budget import Budget
 from ..errors import AllocMoeError
 from ..core.plan import Plan, model_fingerprint
@@ -143,7 +142,7 @@ class PlanRegistry:
                     index = self._budget_lru.pop(victim)
                     del self._by_name[victim]
                     self.on_evict(victim)
-                    _replace_plan(self.handle, index, plan)
+                    self.handle.replace_plan(index, plan)
                     self.names[index], self.plans[index] = name, plan
                 self._by_name[name] = index
                 self._budget_lru[name] = index
@@ -162,16 +161,3 @@ class PlanRegistry:
 
     def close(self) -> None:
         self.handle.remove()
-
-
-def _replace_plan(handle: PlanHandle, index: int, plan: Plan) -> None:
-    """Install `plan` in slot `index` of `handle`, in place of a plan no request holds: what
-    `PlanHandle.add_plan` does, at an old index (apply.py has no such method yet)."""
-    plan.check_model(handle.model)
-    for layer in handle._layers:
-        plan.layers[layer.index].check(handle._k_orig)
-    added = {layer.index: layer_substitute(plan, layer) for layer in handle._layers}
-    for layer in handle._layers:
-        handle._policies[layer.index][index] = plan.layers[layer.index]
-        handle._means[layer.index][index] = added[layer.index]
-    handle.plans[index] = plan
