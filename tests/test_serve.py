@@ -431,9 +431,13 @@ def gate(guarded_server):
 
 def test_api_key_is_required_on_v1_routes_only(guarded):
     assert httpx.get(f"{guarded}/health").status_code == 200
-    for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+    for given in ("", "Bearer wrong", "sekret", "Basic sekret", "Bearer sekret2", "Bearersekret"):
+        headers = {"Authorization": given} if given else {}
         r = httpx.get(f"{guarded}/v1/models", headers=headers)
         assert r.status_code == 401 and r.json()["error"]["type"] == "AuthenticationError"
+    for scheme in ("bearer", "BEARER"):             # the scheme is case-insensitive (RFC 9110), the key is not
+        assert httpx.get(f"{guarded}/v1/models", headers={"Authorization": f"{scheme} sekret"}).status_code == 200
+    assert httpx.get(f"{guarded}/v1/models", headers={"Authorization": "Bearer SEKRET"}).status_code == 401
     keyed = openai.OpenAI(base_url=f"{guarded}/v1", api_key="sekret", max_retries=0)
     assert [m.id for m in keyed.models.list().data] == [MODEL]
     with pytest.raises(openai.AuthenticationError):

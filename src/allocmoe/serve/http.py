@@ -86,8 +86,9 @@ class Guard:
     def _check_key(self, scope) -> None:
         key = self.api_key()
         if key and scope["path"].startswith("/v1"):
-            given = dict(scope["headers"]).get(b"authorization", b"")
-            if not secrets.compare_digest(given, f"Bearer {key}".encode()):
+            scheme, _, given = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 9110: "bearer" is "Bearer"); the key is compared in constant time
+            if scheme.lower() != b"bearer" or not secrets.compare_digest(given, key.encode()):
                 raise _Refused(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
 
     async def _read_body(self, scope, receive):
