@@ -67,6 +67,28 @@ def family_model(request):
 
 
 @pytest.fixture
+def counted(monkeypatch):
+    """Counts forward passes (any module) and weight loads while a test runs: a refusal must come
+    before either (counted, never timed)."""
+    from allocmoe.models import ModelSpec
+
+    counts = {"forward": 0, "loads": 0}
+    real_load = ModelSpec.load
+
+    def load(self, *args, **kwargs):
+        counts["loads"] += 1
+        return real_load(self, *args, **kwargs)
+
+    def forward(module, args):
+        counts["forward"] += 1
+
+    monkeypatch.setattr(ModelSpec, "load", load)
+    hook = torch.nn.modules.module.register_module_forward_pre_hook(forward)
+    yield counts
+    hook.remove()
+
+
+@pytest.fixture
 def ids():
     torch.manual_seed(1)
     return torch.randint(0, COMMON["vocab_size"], (2, 12))

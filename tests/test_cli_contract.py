@@ -15,7 +15,6 @@ from pathlib import Path
 from typing import NamedTuple
 
 import pytest
-import torch
 
 from allocmoe.cli import main
 
@@ -523,27 +522,6 @@ def _error_lines(err: str) -> list[str]:
 
 def _state(folders) -> dict:
     return {p: (p.stat().st_size, p.stat().st_mtime_ns) for folder in folders for p in Path(folder).rglob("*")}
-
-
-@pytest.fixture
-def counted(monkeypatch):
-    """Counts forward passes (any module) and weight loads while a row runs."""
-    from allocmoe.models import ModelSpec
-
-    counts = {"forward": 0, "loads": 0}
-    real_load = ModelSpec.load
-
-    def load(self, *args, **kwargs):
-        counts["loads"] += 1
-        return real_load(self, *args, **kwargs)
-
-    def forward(module, args):
-        counts["forward"] += 1
-
-    monkeypatch.setattr(ModelSpec, "load", load)
-    hook = torch.nn.modules.module.register_module_forward_pre_hook(forward)
-    yield counts
-    hook.remove()
 
 
 @pytest.mark.parametrize("index", PARAMS)

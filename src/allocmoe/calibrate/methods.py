@@ -163,7 +163,8 @@ def _calibration_windows(model, tokenizer, calib_text: str | None, config: Alloc
         raise AllocMoeError("this method needs calibration text and a tokenizer")
     default = AllocateConfig.__dataclass_fields__["calib_max_tokens"].default     # "up to": a shorter text is fine
     windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens,
-                               beyond=None if config.calib_max_tokens == default else "calib_max_tokens (--calib-tokens)")
+                               beyond=None if config.calib_max_tokens == default
+                               else "calib_max_tokens (--calib-tokens)")
     check_batch_size(windows, config.batch_size)
     return windows
 
@@ -453,7 +454,8 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
     with tqdm(total=len(candidates) * len(modes), desc="auto", unit="trial", disable=not config.progress) as bar:
         for method, k_base in candidates:
             trial_k_base = config.k_base if k_base is None else k_base
-            trial_config = AllocateConfig(**{**asdict(config), "k_base": trial_k_base, "substitute": False, "refine": 0})
+            trial_config = AllocateConfig(**{**asdict(config), "k_base": trial_k_base, "substitute": False,
+                                             "refine": 0})
             for with_means in modes:
                 bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else "")
                                     + (" +substitute" if with_means else ""))

@@ -138,7 +138,8 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     seq_len = window_len(model, config.seq_len)
     windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens,      # the default: "up to"
-                               beyond=None if config.max_tokens == ProfileConfig.max_tokens else "max_tokens (--calib-tokens)")
+                               beyond=None if config.max_tokens == ProfileConfig.max_tokens
+                               else "max_tokens (--calib-tokens)")
     check_batch_size(windows, config.batch_size)
     calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
                    "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),

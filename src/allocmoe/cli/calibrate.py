@@ -282,5 +282,5 @@ def _allocate_distinct(args) -> None:
     ms = " ".join(f"{i}:{p.max_experts}" for i, p in sorted(plan.layers.items()))
     print(f"wrote {args.output}: at most M_l distinct experts per decode step at batch {details['decode_batch']}, "
           f"{details['allocated']} of {details['total']} allowed in all (unrestricted: "
-          f"{sum(details['union_mean']):.1f} on average); M per layer {ms}; `allocmoe eval --plan {args.output} --decode-batch "
-          f"{details['decode_batch']}` measures it", file=sys.stderr)
+          f"{sum(details['union_mean']):.1f} on average); M per layer {ms}; `allocmoe eval --plan {args.output} "
+          f"--decode-batch {details['decode_batch']}` measures it", file=sys.stderr)

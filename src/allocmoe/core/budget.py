@@ -82,8 +82,8 @@ class Budget:
             value, is_fraction = read_fraction_or_count(raw)
         except ValueError:
             raise AllocMoeError(
-                f"budget {raw!r} is not a number in a form allocmoe reads; give a fraction of the full budget (0.5, 1/2, 50%) "
-                f"or a count of activations per token (e.g. {full // 2} of {full})") from None
+                f"budget {raw!r} is not a number in a form allocmoe reads; give a fraction of the full budget "
+                f"(0.5, 1/2, 50%) or a count of activations per token (e.g. {full // 2} of {full})") from None
         count = value * full if is_fraction else value
         if not count > 0 or count != count:
             raise AllocMoeError(f"budget {raw!r} must be positive; give a fraction in (0, 1] or a count "

@@ -56,7 +56,8 @@ READS_PROFILE = ("alloc-moe", "alloc-l", "auto")     # the methods that read the
 ROWS_FILE = "rows.partial.json"                     # finished rows of a sweep not yet written out
 
 
-@config_class(flags={"eval_max_tokens": "--eval-tokens", "task_limit": "--limit"})
+@config_class(flags={"eval_max_tokens": "--eval-tokens", "task_limit": "--limit",
+                     "threads_per_worker": "SweepConfig.threads_per_worker"})
 class SweepConfig:
     budgets: tuple[str, ...] | list[str] = DEFAULT_BUDGETS   # "1/2", "0.5", "78": as `--budget` takes them
     methods: tuple[str, ...] | list[str] = METHODS  # every method by default
@@ -77,7 +78,7 @@ class SweepConfig:
     def __post_init__(self):        # types are checked by @config_class before this runs
         self.budgets, self.methods, self.tasks = tuple(self.budgets), tuple(self.methods), tuple(self.tasks)
         check_counts(self, {"eval_max_tokens": 1, "seq_len": 2, "batch_size": 1, "k_base": 0, "task_limit": 1,
-                            "num_fewshot": 0, "threads_per_worker": 1})
+                            "num_fewshot": 0})           # the Ray fields: check_ray_fields below
         self.profile = checked_config(ProfileConfig, self.profile)
         if self.profile.ray is not None:
             raise AllocMoeError("SweepConfig.profile.ray is set; give ray (and ray_workers, threads_per_worker) on "
@@ -91,7 +92,8 @@ class SweepConfig:
         if unknown:
             raise AllocMoeError(f"unknown method(s) {unknown}; choose from {', '.join(METHODS)}")
         if not self.budgets or not self.methods:
-            raise AllocMoeError("the sweep has no budget or no method; give at least one of each (--budgets, --methods)")
+            raise AllocMoeError("the sweep has no budget or no method; give at least one of each (--budgets, "
+                                "--methods)")
 
 
 def environment() -> dict[str, Any]:
@@ -324,7 +326,8 @@ def _finished_profile(path: Path, model, calib_text: str, config: ProfileConfig,
               "seq_len": config.seq_len, "max_tokens": config.max_tokens, "batch_size": config.batch_size}
     found = {key: calibration.get(key) for key in wanted}
     if found_model != wanted_model or found != wanted:
-        why = why_not_resumed({"model": found_model, "calibration": found}, {"model": wanted_model, "calibration": wanted})
+        why = why_not_resumed({"model": found_model, "calibration": found},
+                              {"model": wanted_model, "calibration": wanted})
         print(f"allocmoe: warning: {path} was not reused: it was made with {why}; profiling again", file=sys.stderr)
         return None
     return saved

@@ -232,7 +232,8 @@ class ChatCompletionRequest(_Sampling):
     def chat_messages(self) -> list[dict[str, Any]]:
         out = []
         for m in self.messages:
-            content = m.content if isinstance(m.content, str) or m.content is None else "".join(p.text for p in m.content)
+            content = (m.content if isinstance(m.content, str) or m.content is None
+                       else "".join(p.text for p in m.content))
             message = {"role": m.role, "content": content or ""}
             if m.name is not None:
                 message["name"] = m.name          # as vLLM: the template decides what to do with it
@@ -241,7 +242,8 @@ class ChatCompletionRequest(_Sampling):
 
 
 ERROR_TYPES = {400: "BadRequestError", 401: "AuthenticationError", 404: "NotFoundError", 405: "MethodNotAllowed",
-               408: "RequestTimeout", 413: "RequestTooLarge", 415: "UnsupportedMediaType", 422: "BadRequestError", 429: "RateLimitError",
+               408: "RequestTimeout", 413: "RequestTooLarge", 415: "UnsupportedMediaType", 422: "BadRequestError",
+               429: "RateLimitError",
                500: "InternalServerError", 503: "ServiceUnavailableError"}
 
 
