@@ -399,7 +399,7 @@ def test_a_distinct_plan_round_trips_and_bad_entries_are_refused(tmp_path):
         Plan.from_dict(data)
 
 
-def test_export_and_the_vllm_plugin_refuse_a_distinct_plan_in_one_line(tmp_path):
+def test_export_takes_a_distinct_plan_to_vllm_only_and_refuses_engine_wide_k_in_one_line(tmp_path):
     from types import SimpleNamespace
 
     from allocmoe.integrations.export import export_plan
@@ -408,12 +408,12 @@ def test_export_and_the_vllm_plugin_refuse_a_distinct_plan_in_one_line(tmp_path)
     model = build_tiny("qwen3_moe")
     path = tmp_path / "d.json"
     distinct_plan(model, 3).save(path)
-    for fmt in ("vllm", "vllm-global", "sglang", "llama.cpp"):
+    for fmt in ("vllm-global", "sglang", "llama.cpp"):
         with pytest.raises(AllocMoeError, match="distinct-expert budget") as exc:
             export_plan(fmt, {None: path})
-        assert "\n" not in str(exc.value) and "allocmoe serve" in str(exc.value)
-    with pytest.raises(AllocMoeError, match="distinct-expert budget"):
-        _check_plan(Plan.load(path), SimpleNamespace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=4), None)
+        assert "\n" not in str(exc.value) and "--format vllm" in str(exc.value)
+    assert export_plan("vllm", {None: path}).env["ALLOCMOE_PLAN"] == str(path.resolve())
+    _check_plan(Plan.load(path), SimpleNamespace(model_type="qwen3_moe", num_experts=8, num_experts_per_tok=4), None)
 
 
 @torch.no_grad()

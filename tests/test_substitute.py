@@ -179,8 +179,8 @@ def test_a_distinct_plan_cannot_carry_means():
     assert "forward" not in model.model.layers[0].mlp.gate.__dict__      # nothing was installed
 
 
-def test_export_refuses_a_plan_with_means(tmp_path):
-    from allocmoe.integrations.export import _refuse_distinct
+def test_export_takes_a_plan_with_means_to_vllm_only(tmp_path):
+    from allocmoe.integrations.export import export_plan
     from allocmoe.integrations.vllm_plugin import _check_plan
 
     model = build_tiny("olmoe")
@@ -188,10 +188,14 @@ def test_export_refuses_a_plan_with_means(tmp_path):
     plan.means = random_means(model)
     plan.save(tmp_path / "p.json")
     loaded = Plan.load(tmp_path / "p.json")
-    with pytest.raises(AllocMoeError, match="serve it with `allocmoe serve`"):
-        _refuse_distinct(loaded, tmp_path / "p.json")
-    with pytest.raises(AllocMoeError, match="vLLM plugin.*--substitute"):
-        _check_plan(loaded, model.config, None)
+    for fmt in ("vllm-global", "sglang", "llama.cpp"):      # one engine-wide k cannot add stand-ins
+        with pytest.raises(AllocMoeError, match="calibrated means.*--format vllm") as exc:
+            export_plan(fmt, {None: tmp_path / "p.json"}, arch="x")
+        assert "\n" not in str(exc.value)
+    exported = export_plan("vllm", {None: tmp_path / "p.json"})
+    assert exported.env["ALLOCMOE_PLAN"] == str((tmp_path / "p.json").resolve())
+    assert any("p.means.safetensors" in n for n in exported.notes)       # the means file must travel with it
+    _check_plan(loaded, model.config, None)                   # the plugin runs it
 
 
 @torch.no_grad()

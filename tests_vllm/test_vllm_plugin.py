@@ -25,7 +25,9 @@ MAX_TOKENS = 12
 
 
 def run_vllm(model_dir: Path, requests: list[dict], tmp_path: Path, compile: bool = False,
-             args: tuple[str, ...] = (), **env) -> dict:
+             args: tuple[str, ...] = (), expect_failure: bool = False, **env):
+    """What vLLM generated and the plugin counted; with `expect_failure`, the finished process, which
+    must have failed."""
     req_file = tmp_path / f"requests-{len(list(tmp_path.iterdir()))}.json"
     req_file.write_text(json.dumps(requests))
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("ALLOCMOE_")}
@@ -33,6 +35,9 @@ def run_vllm(model_dir: Path, requests: list[dict], tmp_path: Path, compile: boo
     proc = subprocess.run([sys.executable, str(HERE / "vllm_run.py"), str(model_dir), str(req_file)]
                           + (["--compile"] if compile else []) + list(args),
                           capture_output=True, text=True, env=full_env, timeout=600)
+    if expect_failure:
+        assert proc.returncode != 0, proc.stdout[-3000:]
+        return proc
     lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, proc.stdout[-3000:] + proc.stderr[-3000:]
     return json.loads(lines[-1][len("RESULT "):])

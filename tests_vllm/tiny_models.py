@@ -14,6 +14,17 @@ FAMILIES = {
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       head_dim=64, decoder_sparse_step=1, mlp_only_layers=[]),
     "olmoe": dict(num_experts=8, num_experts_per_tok=2, norm_topk_prob=False),
+    # vLLM's CPU attention for MLA needs kv_lora_rank 512 and qk_rope_head_dim 64; plain top-k written
+    # as grouped top-k with one group (how vLLM routes DeepSeek-V2), softmax, scaled weights
+    "deepseek_v2": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        first_k_dense_replace=0, moe_layer_freq=1, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None, topk_method="greedy", n_group=1,
+                        topk_group=1, norm_topk_prob=False, routed_scaling_factor=2.0),
+    # sigmoid scores, a correction bias (random below) and 4 groups of which 2 are kept
+    "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
+                        first_k_dense_replace=0, moe_layer_freq=1, kv_lora_rank=512, qk_rope_head_dim=64,
+                        qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None, n_group=4, topk_group=2,
+                        norm_topk_prob=True, routed_scaling_factor=2.5),
 }
 
 
@@ -39,6 +50,9 @@ def build(model_type: str, folder: Path) -> Path:
                 param.normal_(0, 1.0)
             if ".experts." in name:
                 param.mul_(EXPERT_SCALE)     # experts dominate the residual, so one expert less shows
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0, 0.1)      # steers the choice away from the scores' own order
         model.lm_head.weight.mul_(30.0)
     model.save_pretrained(folder)
     return folder

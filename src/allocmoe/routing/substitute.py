@@ -112,6 +112,15 @@ def experts_forward(experts: nn.Module, pending: dict):
 
 def layer_substitute(plan: Plan, layer: MoELayer) -> LayerSubstitute | None:
     """The plan's stand-ins for `layer`, folded, on the layer's device (so a pass moves nothing), or None."""
+    means = plan.means.means.get(layer.index) if plan.means is not None else None
+    device = next((p.device for p in layer.experts.parameters() if p.device.type != "meta"),
+                  means.device if means is not None else None)
+    return fold_substitute(plan, layer.index, device)
+
+
+def fold_substitute(plan: Plan, index: int, device) -> LayerSubstitute | None:
+    """The plan's stand-ins for MoE layer `index`, folded, on `device`, or None (an engine's layer: the
+    vLLM plugin's; `layer_substitute` for a transformers model's)."""
     if plan.means is None:
         if plan.substitute:
             raise AllocMoeError("the plan adds back skipped experts' means but they were not loaded (a plan built "
@@ -120,9 +129,8 @@ def layer_substitute(plan: Plan, layer: MoELayer) -> LayerSubstitute | None:
     if any(isinstance(policy, DistinctExperts) for policy in plan.layers.values()):
         raise AllocMoeError("a distinct-expert plan cannot carry a substitute (its steps choose experts outside a "
                             "token's own top-K); make the plan without --substitute")
-    means = plan.means.means[layer.index]
-    device = next((p.device for p in layer.experts.parameters() if p.device.type != "meta"), means.device)
-    term = (plan.means.linear or {}).get(layer.index)
+    means = plan.means.means[index]
+    term = (plan.means.linear or {}).get(index)
     if term is None:
         return LayerSubstitute(offset=means.to(device))
     offset = means - torch.einsum("er,erh->eh", torch.einsum("eh,ehr->er", term.input_mean, term.down), term.up)
