@@ -20,9 +20,15 @@ import pytest
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import tiny_models  # noqa: E402
-from test_vllm_plugin import MAX_TOKENS, PROMPTS, compare, reference, run_vllm  # noqa: E402
+from test_vllm_plugin import MAX_TOKENS, PROMPTS, reference, run_vllm  # noqa: E402
 
 MAX_DISTINCT = 2          # distinct experts a decode step may load per layer (of 8; top-2 per token)
+# vLLM CPU's DeepSeek (MLA attention) does not give transformers' tokens on these tiny models even with
+# no plan (measured: 2 of 3 prompts differ from the first or the tenth token), so there the reference
+# is vLLM itself: the weight-0 path (every slot computed, dropped ones at weight 0) and plain vLLM for
+# requests without a plan; the restated DeepSeek routing is checked against allocmoe's own adapters
+# in tests/test_vllm_routing.py
+VLLM_REFERENCE = ("deepseek_v2", "deepseek_v3")
 
 
 def make_plans(model, tok, folder: Path) -> dict[str, Path]:
@@ -39,7 +45,7 @@ def make_plans(model, tok, folder: Path) -> dict[str, Path]:
              config={"substitute": True, "substitute_rank": 4, "calib_max_tokens": 1024, "seq_len": 64,
                      "progress": False}).save(files["sub"])
     uniform = allocate(2, "uniform", model=model)
-    distinct = replace(uniform, method="distinct",
+    distinct = replace(uniform, method="distinct", budget=uniform.full_budget,
                        layers={i: DistinctExperts(MAX_DISTINCT) for i in uniform.layers})
     distinct.save(files["dist"])
     return files
@@ -67,11 +73,22 @@ def test_every_plan_kind_in_one_batch_equals_allocmoe_and_computes_only_kept_pai
                    ALLOCMOE_STATS=1, ALLOCMOE_PLANS=named)
     plan_files = {None: None, "asc": files["asc"], "at": files["at"], "sub": files["sub"], "uni": files["uni"],
                   "dist": files["dist"]}
-    for request, tokens in zip(requests, out["outputs"]):
-        if request["plan"] != "dist3":          # one request alone under "dist": its steps are its own tokens
-            compare(tokens, reference(model, tok, request["prompt_ids"], plan_files[request["plan"]])[0])
     stats = out["stats"]
     assert stats["computed"] == stats["kept"], "the kernel computed pairs the plans dropped"
+    if name in VLLM_REFERENCE:
+        same = run_vllm(folder, requests, tmp_path, ALLOCMOE_KERNEL="weight0", ALLOCMOE_PLANS=named)
+        assert out["outputs"] == same["outputs"], "kept pairs only and the weight-0 path gave different tokens"
+        plain = run_vllm(folder, [r for r in requests if r["plan"] is None], tmp_path)
+        assert [t for r, t in zip(requests, out["outputs"]) if r["plan"] is None] == plain["outputs"]
+        plan_files = {}                   # the plans' routing against allocmoe's: tests/test_vllm_routing.py
+    differ = []
+    for i, (request, tokens) in enumerate(zip(requests, out["outputs"])):
+        if request["plan"] != "dist3" and request["plan"] in plan_files:   # "dist": its steps are its own tokens
+            expected = reference(model, tok, request["prompt_ids"], plan_files[request["plan"]])[0]
+            assert len(expected) >= 4, "the reference stopped too early to compare"
+            if tokens[:len(expected)] != expected:
+                differ.append(f"request {i} (plan {request['plan']}): vLLM {tokens} allocmoe {expected}")
+    assert not differ, "\n".join(differ)
     tokens_routed = sum(stats["plans"][p]["tokens"] for p in stats["plans"])
     for layer, kept in stats["kept"].items():
         assert kept < tokens_routed * 2, f"layer {layer} kept every pair: nothing was dropped"

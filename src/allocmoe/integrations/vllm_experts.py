@@ -27,13 +27,15 @@ from .vllm_routing import Selection
 
 
 def run_kept(kernel, x: torch.Tensor, selection: Selection, stand_ins: dict[int, tuple[list[int], object]],
-             shared_experts=None, shared_experts_input=None) -> tuple[torch.Tensor, int]:
+             shared_experts=None, shared_experts_input=None, weight0: bool = False) -> tuple[torch.Tensor, int]:
     """The routed output [T, H] of `selection` plus its stand-ins, and how many pairs the kernel
     computed. `kernel(x, weights, ids, shared_experts, shared_experts_input)` is vLLM's own call;
-    `stand_ins`: plan index -> (its rows in the step, its layer's LayerSubstitute)."""
+    `stand_ins`: plan index -> (its rows in the step, its layer's LayerSubstitute). `weight0`: run
+    every token at the step's widest count, dropped slots at weight 0 (the reference the kept-pairs
+    path must equal; ALLOCMOE_KERNEL=weight0)."""
     ids, weights, counts = selection.ids, selection.weights, selection.counts
     num_tokens, width = ids.shape
-    if num_tokens and bool((counts == width).all()):                       # uniform: vLLM's own path
+    if weight0 or (num_tokens and bool((counts == width).all())):        # uniform: vLLM's own path
         out, computed = kernel(x, weights, ids, shared_experts, shared_experts_input), num_tokens * width
     else:
         keep = prefix_mask(counts, width)                                   # [T, W]

@@ -35,7 +35,8 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-ENV_PLAN, ENV_PLANS, ENV_STATS = "ALLOCMOE_PLAN", "ALLOCMOE_PLANS", "ALLOCMOE_STATS"
+ENV_PLAN, ENV_PLANS, ENV_STATS, ENV_KERNEL = "ALLOCMOE_PLAN", "ALLOCMOE_PLANS", "ALLOCMOE_STATS", "ALLOCMOE_KERNEL"
+KERNELS = ("pairs", "weight0")   # ALLOCMOE_KERNEL: kept pairs only (default), or the weight-0 reference
 XARG = "allocmoe_plan"          # the vllm_xargs / SamplingParams.extra_args key naming a request's plan
 DEFAULT = "default"             # the stats name of ALLOCMOE_PLAN (or of the full model when unset)
 
@@ -45,6 +46,8 @@ class PluginConfig:
     default: Path | None                                   # ALLOCMOE_PLAN: the plan of requests naming none
     named: dict[str, Path] = field(default_factory=dict)   # ALLOCMOE_PLANS: chosen per request
     stats: bool = False                                    # ALLOCMOE_STATS=1: count activations
+    weight0: bool = False                                  # ALLOCMOE_KERNEL=weight0: compute dropped slots at
+                                                           # weight 0 (the reference, for tests and benchmarks)
 
     @classmethod
     def from_env(cls, env=os.environ) -> "PluginConfig | None":
@@ -57,7 +60,12 @@ class PluginConfig:
         for path in ([Path(default)] if default else []) + list(named.values()):
             if not path.is_file():
                 raise AllocMoeError(f"allocmoe vLLM plugin: plan file not found: {path}; check the path (give an absolute path)")
-        return cls(Path(default) if default else None, named, env.get(ENV_STATS, "") not in ("", "0"))
+        kernel = env.get(ENV_KERNEL) or KERNELS[0]
+        if kernel not in KERNELS:
+            raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_KERNEL}={kernel!r} is not one of {', '.join(KERNELS)}; "
+                                "unset it (kept pairs only) or give weight0")
+        return cls(Path(default) if default else None, named, env.get(ENV_STATS, "") not in ("", "0"),
+                   kernel == "weight0")
 
 
 def parse_named_plans(items, what: str) -> dict[str, Path]:
@@ -370,7 +378,8 @@ def _route_by_plans(runner, index: int, k_orig: int, state: _State) -> None:
         for start, end, plan_index in segments:
             if substitutes[plan_index] is not None:
                 stand_ins.setdefault(plan_index, ([], substitutes[plan_index]))[0].extend(range(start, end))
-        out, computed = run_kept(kernel, x, selection, stand_ins, shared_experts, shared_experts_input)
+        out, computed = run_kept(kernel, x, selection, stand_ins, shared_experts, shared_experts_input,
+                                 state.config.weight0)
         if state.config.stats:
             _add(state, index, segments, selection.counts, computed, selection.loaded)
         return out
