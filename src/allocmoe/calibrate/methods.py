@@ -264,8 +264,8 @@ def _model_from_folder(model, method: str, profile_given: bool, target_ppl, conf
     spec = model if isinstance(model, ModelSpec) else inspect_model(model, require_weights=False)
     substitute, refine = addons(method, config)
     # alloc-moe and alloc-l never profile here: without a profile allocate's own line refuses them
-    reason = weights_reason(method, profile_given=profile_given or method in PROFILE_METHODS, target_ppl=target_ppl, substitute=substitute,
-                            refine=refine)
+    reason = weights_reason(method, profile_given=profile_given or method in PROFILE_METHODS, target_ppl=target_ppl,
+                            substitute=substitute, refine=refine)
     if reason is not None and not spec.has_weights:
         raise AllocMoeError(weightless_message(spec.path, reason))
     if reason is not None:
