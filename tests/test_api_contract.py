@@ -271,7 +271,10 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: allocate(True, "uniform", model=model), "budget must be"),
         (lambda: allocate([0.5], "uniform", model=model), "budget must be"),
         (lambda: allocate(0.5, 3, model=model), "method must be a string"),
-        (lambda: allocate(0.5, "uniform", model="folder"), "model must be a loaded model"),
+        (lambda: allocate(0.5, "uniform", model=42), "model must be a loaded model (allocmoe.load_model(...)[0]) "
+                                                     "or a model folder's path"),
+        (lambda: allocate(0.5, "uniform", model=tmp_path / "folder"), "model folder not found"),   # a path: a folder
+        (lambda: allocate(0.5, "lexi", model=folder), "needs the model loaded, not its folder"),
         (lambda: allocate(0.5, "uniform", model=model, tokenizer=5), "tokenizer must be the model's tokenizer"),
         (lambda: allocate(0.5, "top-p", model=model, tokenizer=tok, calib_text=b"bytes"), "must be a string of text"),
         (lambda: allocate(0.5, "top-p", model=model, tokenizer=tok, calib_text="\0" * 20000), "is not text"),
@@ -401,7 +404,7 @@ def _bad_calls(model, tok, folder, tmp_path):
     ]
 
 
-BAD_CALLS = 135          # rows in the table above: a row dropped by mistake fails the count
+BAD_CALLS = 137          # rows in the table above: a row dropped by mistake fails the count
 
 
 @pytest.mark.parametrize("index", range(BAD_CALLS))

@@ -156,11 +156,22 @@ def cases(root: Path, model: Path) -> list[Row]:
             ("m_badjson", "is not JSON"), ("m_emptycfg", "is not JSON"), ("m_listcfg", "is not a JSON object"),
             ("m_notype", "names no model_type"), ("m_llama", "unsupported architecture 'llama'"),
             ("m_phimoe", "sparsemixer"), ("m_unknown", "unsupported architecture 'gpt17'"),
-            ("m_nocfg", "has no config.json"), ("m_noweights", "has no weights"),
+            ("m_nocfg", "has no config.json"),
             ("m_trunc", "truncated or corrupt"), ("m_corrupt", "truncated or corrupt"),
             ("m_stub", "truncated or corrupt"), ("m_badheader", "truncated or corrupt"),
             ("m_shards", "names weight files that are missing"), ("m_badindex", "is corrupt"),
             ("missing_folder", "model folder not found"), ("a_file", "is a file")]],
+        # config.json alone: uniform, ascending, descending and alloc-t plan from it (test_config_only.py);
+        # a run that needs the weights is refused, naming the methods that do not
+        *[Row(["allocate", "--model", f("m_noweights"), "--output", f("p.json"), *flags],
+              f"has no weights (config.json alone), and {reason}") for flags, reason in [
+            (["--budget", "0.5", "--method", "lexi"], "method lexi"),
+            (["--budget", "0.5"], "method auto"),
+            (["--budget", "0.5", "--method", "alloc-l"], "method alloc-l without a profile"),
+            (["--budget", "0.5", "--method", "uniform", "--refine", "1"], "the refinement"),
+            (["--max-distinct-experts", "0.5"], "a latency budget")]],
+        Row(["profile", "--model", f("m_noweights"), *po], "has no weights (no model.safetensors)"),
+        Row(["eval", "--model", f("m_noweights")], "has no weights (no model.safetensors)"),
         # -- eval --------------------------------------------------------------------------------------
         Row([*E, "--eval-tokens", "-1"], "--eval-tokens: must be above 0"),
         Row([*E, "--decode-batch", "0"], "--decode-batch: must be above 0"),

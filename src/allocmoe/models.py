@@ -5,7 +5,9 @@ Everything about a folder that can be checked without reading its weights is che
 (`inspect_model`): config.json is JSON naming a supported architecture, and every safetensors
 file's header is whole and covers exactly the file. The model's layout (MoE layer indices, K,
 context) then comes from a weightless copy on the meta device (`ModelSpec.skeleton`), so a plan or
-profile of another model, a budget or a `--seq-len` is refused before the weights load.
+profile of another model, a budget or a `--seq-len` is refused before the weights load. That copy
+is all a plan needs whose method reads only the config (uniform, ascending, descending, alloc-t):
+`inspect_model(folder, require_weights=False)` accepts a folder of config.json alone for them.
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ModelSpec:
     path: Path | str
     config: Any
     trust_remote_code: bool = False
+    has_weights: bool = True            # False: config.json alone (inspect_model(require_weights=False))
     _skeleton: Any = field(default=None, repr=False)
     _tokenizer: Any = field(default=None, repr=False)
 
@@ -104,6 +107,8 @@ class ModelSpec:
         from transformers import AutoModelForCausalLM
 
         target = check_device(device)
+        if not self.has_weights:
+            raise AllocMoeError(no_weights_message(self.path))
         tokenizer = self.tokenizer()
         try:
             net = AutoModelForCausalLM.from_pretrained(self.path, dtype=dtype, trust_remote_code=self.trust_remote_code)
@@ -113,9 +118,12 @@ class ModelSpec:
         return net.to(target).eval(), tokenizer
 
 
-def inspect_model(model: str | os.PathLike | None = None, trust_remote_code: bool = False) -> ModelSpec:
+def inspect_model(model: str | os.PathLike | None = None, trust_remote_code: bool = False, *,
+                  require_weights: bool = True) -> ModelSpec:
     """Check a model folder (default: the built-in model) without reading its weights: config.json is a
-    JSON object naming a supported architecture that transformers reads, and every weight file is whole."""
+    JSON object naming a supported architecture that transformers reads, and every weight file is whole.
+    A folder with no weight files is refused, unless `require_weights` is False: then its spec has
+    `has_weights` False, gives the skeleton and fingerprint from the config, and refuses to load."""
     from transformers import AutoConfig
 
     from .routing.adapters import adapter_for_config
@@ -139,8 +147,10 @@ def inspect_model(model: str | os.PathLike | None = None, trust_remote_code: boo
         raise AllocMoeError(f"cannot read the config in {path} ({_first_line(exc)}); fix config.json or give "
                             "another folder") from None
     adapter_for_config(config)
-    check_weight_files(path)
-    return ModelSpec(path=path, config=config, trust_remote_code=trust_remote_code)
+    has_weights = has_weight_files(path)
+    if has_weights or require_weights:
+        check_weight_files(path)            # refuses a folder with none
+    return ModelSpec(path=path, config=config, trust_remote_code=trust_remote_code, has_weights=has_weights)
 
 
 # config.json's names for the experts each token runs (top-k) and the routed experts per layer, by family
@@ -182,6 +192,20 @@ def load_model(model: str | os.PathLike | ModelSpec | None = None, dtype: torch.
 
 
 # -- weight files ---------------------------------------------------------------------------------------
+_WEIGHT_NAMES = ("model.safetensors", "model.safetensors.index.json", "pytorch_model.bin",
+                 "pytorch_model.bin.index.json")
+
+
+def has_weight_files(path: Path) -> bool:
+    """Whether the folder names its weights the way transformers reads them (whole or sharded, as
+    safetensors or PyTorch pickles): False for a folder of config.json (and a tokenizer) alone."""
+    return any((path / name).is_file() for name in _WEIGHT_NAMES)
+
+
+def no_weights_message(path) -> str:
+    return f"{path} has no weights (no model.safetensors); download or save the model again"
+
+
 def check_weight_files(path: Path) -> None:
     """Refuse a folder with no weights, a shard index naming missing files, or a safetensors file that is
     truncated or corrupt (its header is read, never its tensors)."""
@@ -221,7 +245,7 @@ def safetensors_files(path: Path) -> list[Path] | None:
         return files
     if any((path / name).is_file() for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")):
         return None
-    raise AllocMoeError(f"{path} has no weights (no model.safetensors); download or save the model again")
+    raise AllocMoeError(no_weights_message(path))
 
 
 def read_safetensors_header(file: Path) -> tuple[int, dict[str, Any]]:

@@ -18,7 +18,9 @@ Two add-ons work with any budget-exact method, and `auto` uses both by default (
   refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py)
 
 Profile-based methods (alloc-moe, alloc-l) are pure given the profile; the rest of the budget-exact
-methods need only the model's fingerprint. Threshold methods match B only on average over the
+methods need only the model's fingerprint, which its config gives: `model` may be a model folder (its
+path, or inspect_model's ModelSpec) with config.json alone, no weights (`weights_reason` says which
+runs need the weights). Threshold methods match B only on average over the
 calibration text: their real cost drifts with the input, so always report measured activations.
 """
 
@@ -43,6 +45,7 @@ from ..core.solver import solve_allocation
 PROFILE_METHODS = ("alloc-moe", "alloc-l")
 MODEL_METHODS = ("lexi", "top-p", "naee", "auto")
 METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "descending", "lexi", "top-p", "naee")
+CONFIG_METHODS = ("uniform", "ascending", "descending", "alloc-t")    # the model's config is all they read
 
 
 @config_class(flags={"calib_max_tokens": "--calib-tokens", "lexi_samples": "AllocateConfig.lexi_samples",
@@ -220,6 +223,57 @@ def calibrate_naee(table: torch.Tensor, target: float) -> tuple[float, float]:
     return beta, mean(beta)
 
 
+# -- what needs the weights ----------------------------------------------------------------------
+def weights_reason(method: str, *, profile_given: bool, target_ppl, substitute: bool, refine: int) -> str | None:
+    """Why an allocation needs the model's weights (it runs the model), or None when the model's config
+    (with a profile, for alloc-moe and alloc-l) is all it reads."""
+    if target_ppl is not None:
+        return "a perplexity target (--target-ppl) scores plans on calibration text"
+    if method in ("top-p", "naee"):
+        return f"method {method} calibrates its thresholds on calibration text"
+    if method == "lexi":
+        return "method lexi measures each MoE layer's output on random inputs"
+    if method == "auto":
+        return "method auto scores its trials on calibration text"
+    if method in PROFILE_METHODS and not profile_given:
+        return f"method {method} without a profile (--profile) profiles the model first"
+    if substitute:
+        return "the substitute (--substitute) measures each expert's mean output"
+    if refine:
+        return "the refinement (--refine) scores calibration passes"
+    return None
+
+
+def weightless_message(path, reason: str) -> str:
+    """The one line that refuses a run needing weights on a folder of config.json alone."""
+    return (f"{path} has no weights (config.json alone), and {reason}, which needs the model's weights; run "
+            f"allocate where the weights are, or use --method {', '.join(CONFIG_METHODS[:-1])} or "
+            f"{CONFIG_METHODS[-1]} (or alloc-moe or alloc-l with --profile), which read only the config")
+
+
+def _model_from_folder(model, method: str, profile_given: bool, target_ppl, config: AllocateConfig):
+    """A model given as a folder (path or ModelSpec) as its weightless skeleton, for the runs that read
+    only its config; a run that needs the weights is refused (a folder without them: weightless_message;
+    one with them: load it first). Anything else is returned as given."""
+    import os
+
+    from ..models import ModelSpec, inspect_model
+
+    if not isinstance(model, (str, os.PathLike, ModelSpec)):
+        return model
+    spec = model if isinstance(model, ModelSpec) else inspect_model(model, require_weights=False)
+    substitute, refine = addons(method, config)
+    # alloc-moe and alloc-l never profile here: without a profile allocate's own line refuses them
+    reason = weights_reason(method, profile_given=profile_given or method in PROFILE_METHODS, target_ppl=target_ppl,
+                            substitute=substitute, refine=refine)
+    if reason is not None and not spec.has_weights:
+        raise AllocMoeError(weightless_message(spec.path, reason))
+    if reason is not None:
+        raise AllocMoeError(f"allocate: {reason}, which needs the model loaded, not its folder; pass "
+                            f"model=allocmoe.load_model({str(spec.path)!r})[0] and its tokenizer")
+    return spec.skeleton()
+
+
 # -- the entry point -----------------------------------------------------------------------------
 def allocate(budget: str | float | Budget | None = None, method: str = "auto", *, profile: dict | None = None,
              model=None, tokenizer=None, calib_text: str | None = None, config: AllocateConfig | dict | None = None,
@@ -227,8 +281,12 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
     """Make a plan for `budget` (fraction "0.5", count "78", or a Budget) with `method`; or, with
     `target_ppl` ("5%" above the full model, or a perplexity) instead of a budget, the plan of the
     smallest budget that meets it on calibration text (calibrate/target.py; needs the model and text).
-    `refine_memo` keeps the refinement's scored allocations (persist it to resume an interrupted run)."""
+    `refine_memo` keeps the refinement's scored allocations (persist it to resume an interrupted run).
+    `model` may be a model folder (a path or inspect_model's ModelSpec, even one of config.json alone)
+    for the runs that read only its config (weights_reason: uniform, ascending, descending, alloc-t,
+    and alloc-moe or alloc-l given a profile)."""
     config = checked_config(AllocateConfig, config)
+    model = _model_from_folder(model, method, profile is not None, target_ppl, config)
     profile = _check_arguments(budget, method, profile, model, tokenizer, calib_text, target_ppl, refine_memo)
     if (budget is None) == (target_ppl is None):
         said = "both a budget and a perplexity target were given" if budget is not None else "no budget was given"
@@ -309,7 +367,7 @@ def _check_arguments(budget, method, profile, model, tokenizer, calib_text, targ
     check_argument("allocate", "target_ppl", target_ppl, str | int | float | None, "'5%' or a perplexity like 157.0",
                    finite=False)
     if model is not None:
-        check_model_argument("allocate", model)
+        check_model_argument("allocate", model, folder=True)
     check_tokenizer_argument("allocate", tokenizer, optional=True)
     if calib_text is not None:
         check_text(calib_text, "allocate: calib_text")

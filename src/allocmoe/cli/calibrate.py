@@ -138,9 +138,10 @@ def check_calibration(spec, text: str, seq_len: int | None, calib_tokens: int, b
 def cmd_allocate(args) -> None:
     """Everything is checked before the weights load (the profile against the model's layout, even when
     the method never loads them; the budget; the calibration text), then the weights load only for the
-    methods that run the model (or to profile first)."""
-    from ..calibrate.methods import (ADDON_METHODS, K_BASE_METHODS, MODEL_METHODS, PROFILE_METHODS, AllocateConfig,
-                                     addons, allocate, check_k_base)
+    runs that need them (weights_reason: the methods that run the model, or profile first): the others
+    read config.json alone, so a folder without weights is refused only for those that need them."""
+    from ..calibrate.methods import (ADDON_METHODS, K_BASE_METHODS, PROFILE_METHODS, AllocateConfig, addons,
+                                     allocate, check_k_base, weightless_message, weights_reason)
     from ..calibrate.refine import SavedScores
     from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
     from ..core.budget import Budget
@@ -182,7 +183,11 @@ def cmd_allocate(args) -> None:
     if (substitute or refine) and args.method not in ADDON_METHODS:
         raise AllocMoeError(f"--method {args.method} cannot take --substitute or --refine (they need a budget-exact "
                             f"top-k allocation); use one of {', '.join(ADDON_METHODS)}, or drop those flags")
-    spec = inspect(args)
+    spec = inspect(args, require_weights=False)
+    needs_weights = weights_reason(args.method, profile_given=args.profile is not None, target_ppl=args.target_ppl,
+                                   substitute=substitute, refine=refine)
+    if needs_weights is not None and not spec.has_weights:
+        raise AllocMoeError(weightless_message(spec.path, needs_weights))
     skeleton = spec.skeleton()
     if substitute and config.substitute_rank > skeleton.config.hidden_size:
         raise AllocMoeError(f"--substitute-rank {config.substitute_rank} is above this model's hidden size "
@@ -214,7 +219,7 @@ def cmd_allocate(args) -> None:
     if calibrates:
         check_calibration(spec, text, args.seq_len, args.calib_tokens, args.batch_size)
     model, tok = skeleton, None
-    if profiles_first or args.method in MODEL_METHODS or args.target_ppl is not None or calibrates:
+    if needs_weights is not None:
         model, tok = load(args, spec)
     if profiles_first:
         print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
@@ -250,6 +255,7 @@ def _allocate_distinct(args) -> None:
     from <output>.distinct.partial.json) and the exact allocation."""
     from ..calibrate.distinct import (DistinctConfig, allocate_distinct, check_k_floor, distinct_windows,
                                       parse_distinct_budget)
+    from ..calibrate.methods import weightless_message
     from ..texts import read_text
 
     for flag in ("--budget", "--target-ppl"):
@@ -268,7 +274,10 @@ def _allocate_distinct(args) -> None:
                             calib_max_tokens=8192 if args.calib_tokens is None else args.calib_tokens,
                             seq_len=args.seq_len, m_step=args.m_step or 1,
                             prefix_cache=args.prefix_cache is not False, progress=not args.quiet)
-    spec = inspect(args)
+    spec = inspect(args, require_weights=False)
+    if not spec.has_weights:
+        raise AllocMoeError(weightless_message(spec.path, "a latency budget (--max-distinct-experts) measures "
+                                               "distinct experts on calibration text"))
     fingerprint = spec.fingerprint()
     parse_distinct_budget(args.max_distinct_experts, fingerprint["num_experts"], fingerprint["num_moe_layers"])
     check_k_floor(config.k_floor, fingerprint["k_orig"])

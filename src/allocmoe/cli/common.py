@@ -121,12 +121,13 @@ def add_quiet(p) -> None:
     p.add_argument("--quiet", action="store_true", help="no progress bars (they go to stderr)")
 
 
-def inspect(args):
+def inspect(args, require_weights: bool = True):
     """Check `--model` without reading its weights (config, architecture, weight files): a ModelSpec
-    whose `skeleton()` plans, profiles, budgets and `--seq-len` are checked against before loading."""
+    whose `skeleton()` plans, profiles, budgets and `--seq-len` are checked against before loading.
+    `require_weights` False accepts a folder of config.json alone (its spec's has_weights is False)."""
     from ..models import inspect_model
 
-    return inspect_model(args.model, trust_remote_code=args.trust_remote_code)
+    return inspect_model(args.model, trust_remote_code=args.trust_remote_code, require_weights=require_weights)
 
 
 def load(args, spec=None):
