@@ -1,11 +1,17 @@
 """Run vLLM (CPU) offline on a model folder and print what it generated, as one JSON line.
 
-    python tests_vllm/vllm_run.py MODEL_DIR REQUESTS.json [--compile] [--hf-overrides JSON]
+    python tests_vllm/vllm_run.py MODEL_DIR REQUESTS.json [--compile] [--hf-overrides JSON] [--tp N]
     (plugin settings come from the environment)
 
 REQUESTS.json: [{"prompt_ids": [...], "max_tokens": N, "plan": NAME or null}, ...], all sent in one
 `LLM.generate` call, so vLLM batches them together. Output: {"outputs": [[token ids], ...],
-"stats": what the plugin counted in the worker (ALLOCMOE_STATS=1), or null}.
+"stats": what the plugin counted in the worker (ALLOCMOE_STATS=1), or null, "worker_stats": the
+same from every worker (one per tensor-parallel rank)}.
+
+--tp N: tensor_parallel_size=N, one worker process per rank (vLLM CPU always runs them under its
+"mp" executor). vLLM CPU's automatic thread binding puts each rank on its own NUMA node and stops
+when there are fewer nodes than ranks, so unless VLLM_CPU_OMP_THREADS_BIND is set, the CPUs this
+process may use are split into N '|'-separated groups, one per rank ("0|1" on 2 cores).
 """
 
 import json
@@ -22,22 +28,30 @@ def main() -> None:
     model_dir, requests_file = sys.argv[1], sys.argv[2]
     compiled = "--compile" in sys.argv[3:]          # vLLM's default (torch.compile); eager starts faster
     overrides = json.loads(sys.argv[sys.argv.index("--hf-overrides") + 1]) if "--hf-overrides" in sys.argv else None
+    tp = int(sys.argv[sys.argv.index("--tp") + 1]) if "--tp" in sys.argv else 1
+    if tp > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in os.environ:
+        cpus = sorted(os.sched_getaffinity(0))
+        if len(cpus) < tp:
+            sys.exit(f"--tp {tp} needs at least {tp} CPUs (one per rank); this process may use {cpus}")
+        per_rank = len(cpus) // tp
+        os.environ["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(
+            ",".join(map(str, cpus[r * per_rank:(r + 1) * per_rank])) for r in range(tp))
     requests = json.load(open(requests_file))
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=16, seed=0,
-              enforce_eager=not compiled, hf_overrides=overrides)
+              enforce_eager=not compiled, hf_overrides=overrides, tensor_parallel_size=tp)
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True,
                              extra_args={"allocmoe_plan": r["plan"]} if r.get("plan") else None)
               for r in requests]
     outputs = llm.generate(prompts, params, use_tqdm=False)
-    stats = None
     try:
         from allocmoe.integrations.vllm_plugin import read_stats
 
-        stats = llm.collective_rpc(read_stats)[0]
+        worker_stats = llm.collective_rpc(read_stats)
     except Exception as exc:          # no plugin state in the worker: report it, the test decides
-        stats = {"error": f"{type(exc).__name__}: {exc}"}
-    print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outputs], "stats": stats}))
+        worker_stats = [{"error": f"{type(exc).__name__}: {exc}"}]
+    print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outputs],
+                                  "stats": worker_stats[0], "worker_stats": worker_stats}))
 
 
 if __name__ == "__main__":
