@@ -20,11 +20,12 @@ FAMILIES = {
                         first_k_dense_replace=0, moe_layer_freq=1, kv_lora_rank=512, qk_rope_head_dim=64,
                         qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None, topk_method="greedy", n_group=1,
                         topk_group=1, norm_topk_prob=False, routed_scaling_factor=2.0),
-    # sigmoid scores, a correction bias (random below) and 4 groups of which 2 are kept
+    # sigmoid scores, a correction bias (random below) and 4 groups of which 2 are kept; vLLM reads
+    # topk_method and scoring_func from the config, as DeepSeek-V3's own config.json gives them
     "deepseek_v3": dict(n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, moe_intermediate_size=32,
                         first_k_dense_replace=0, moe_layer_freq=1, kv_lora_rank=512, qk_rope_head_dim=64,
                         qk_nope_head_dim=32, v_head_dim=32, q_lora_rank=None, n_group=4, topk_group=2,
-                        norm_topk_prob=True, routed_scaling_factor=2.5),
+                        norm_topk_prob=True, routed_scaling_factor=2.5, topk_method="noaux_tc", scoring_func="sigmoid"),
 }
 
 

@@ -131,7 +131,8 @@ def register() -> None:
             return
         state = _State(config)
     except AllocMoeError as exc:       # vLLM logs and ignores a plugin's exception: stop at the config instead
-        _check_at_config(lambda hf_config: _refuse(str(exc)))
+        message = str(exc)
+        _check_at_config(lambda hf_config: _refuse(message))
         return
     _state = state
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
