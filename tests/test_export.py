@@ -124,3 +124,18 @@ def test_cli_writes_an_executable_snippet_and_refuses_bad_input(plans, tmp_path,
         assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
         assert not (tmp_path / "never.sh").exists()
     assert Path(out).exists()
+
+
+def test_the_plugin_reads_the_moe_layers_from_the_config_alone_and_refuses_another_layout(plans):
+    """vLLM's config check (before any weight loads) knows the MoE layers from the config: DeepSeek's
+    first layer is dense here, so a plan for the same family with another layer count is refused."""
+    from allocmoe.core.plan import Plan
+    from allocmoe.integrations.vllm_plugin import _check_plan, _moe_layers_of
+
+    ds = build_tiny("deepseek_v2")
+    deeper = build_tiny("deepseek_v2", num_hidden_layers=4)
+    assert _moe_layers_of(ds.config) == [1, 2] and _moe_layers_of(deeper.config) == [1, 2, 3]
+    plan = Plan.load(plans["ds_uniform"])
+    _check_plan(plan, ds.config, _moe_layers_of(ds.config))
+    with pytest.raises(AllocMoeError, match="num_moe_layers is 2 in the plan but 3 in the served model"):
+        _check_plan(plan, deeper.config, _moe_layers_of(deeper.config))

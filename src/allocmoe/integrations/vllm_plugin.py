@@ -169,13 +169,29 @@ def _check_plans_early(state: _State) -> None:
     from ..errors import AllocMoeError
 
     def check(hf_config) -> None:
+        layer_ids = _moe_layers_of(hf_config)
         try:
             for plan in filter(None, state.plans):
-                _check_plan(plan, hf_config, None)
+                _check_plan(plan, hf_config, layer_ids)
         except AllocMoeError as exc:
             _refuse(str(exc))
 
     _check_at_config(check)
+
+
+def _moe_layers_of(hf_config) -> list[int] | None:
+    """The MoE layers' indices from the config alone (transformers builds the model on the meta device:
+    no memory, no weights), or None where it cannot (then the layers are checked once vLLM loads them)."""
+    try:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        from ..core.plan import model_fingerprint
+
+        with torch.device("meta"):
+            return list(model_fingerprint(AutoModelForCausalLM.from_config(hf_config))["moe_layers"])
+    except Exception:           # best effort: any family transformers cannot build here is checked later
+        return None
 
 
 def _check_at_config(check) -> None:
