@@ -41,7 +41,8 @@ def add_parsers(sub) -> None:
     p.add_argument("--substitute", action=argparse.BooleanOptionalAction, default=None,
                    help="add back a stand-in for each skipped expert: its calibrated mean output plus a rank-R "
                         "linear term (saved beside the plan as <name>.means.safetensors; allocmoe "
-                        "serve/generate/eval/bench run it, vLLM and export do not); "
+                        "serve/generate/eval/bench and the vLLM plugin run it, engine-wide export formats "
+                        "do not); "
                         "default: auto tries with and without, other methods without")
     p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
                    help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
