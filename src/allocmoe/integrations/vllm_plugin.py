@@ -357,11 +357,16 @@ def _route_by_plans(runner, index: int, k_orig: int, state: _State) -> None:
     import torch
 
     from ..core.policies import StaticTopK
+    from ..errors import AllocMoeError
     from ..routing.substitute import fold_substitute
     from .vllm_experts import run_kept
     from .vllm_routing import RouterSpec, all_full, select
 
     router, experts = runner.router, runner.routed_experts
+    if getattr(experts.quant_method, "is_monolithic", False):
+        raise AllocMoeError(f"allocmoe vLLM plugin: layer {index}'s MoE kernel ({type(experts.quant_method).__name__}) "
+                            "routes inside itself, so allocmoe's selection cannot reach it; serve a single static "
+                            "per-layer plan instead, or a kernel that takes the router's choice (the default ones)")
     spec = RouterSpec.of(router, k_orig, index)
     policies = [p.layers[index] if p else StaticTopK(k_orig) for p in state.plans]     # no default plan: full
     device = next((p.device for p in experts.parameters()), torch.device("cpu"))
