@@ -83,8 +83,9 @@ def main() -> None:
         base = statistics.median(times["weight0"])
         cells = "  ".join(f"{n} {statistics.median(t) * 1e3:.1f} ms ({base / statistics.median(t):.2f}x)"
                           for n, t in times.items())
-        print(f"tokens {tokens:4d}, mean kept {counts.float().mean():.2f} of {k} (ideal {k / counts.float().mean():.2f}x): "
-              f"{cells}; max |diff| vs weight0 {max(diffs.values()):.3g}", flush=True)
+        mean = counts.float().mean()
+        print(f"tokens {tokens:4d}, mean kept {mean:.2f} of {k} (ideal {k / mean:.2f}x): {cells}; "
+              f"max |diff| vs weight0 {max(diffs.values()):.3g}", flush=True)
 
 
 if __name__ == "__main__":

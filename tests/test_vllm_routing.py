@@ -123,7 +123,8 @@ def test_stand_in_rows_keep_full_k_weights_and_name_what_they_skip(routed):
     torch.testing.assert_close(skipped[:half], dense(cand_idx, full, ~top1, num_experts)[:half], rtol=1e-5, atol=1e-6)
     assert (skipped[half:] == 0).all()                    # the plan without stand-ins adds nothing
     _, keep, weights = allocmoe_choice(adapter, layer, scores, StaticTopK(1))
-    torch.testing.assert_close(kept_dense[half:], dense(cand_idx, weights, keep, num_experts)[half:], rtol=1e-5, atol=1e-6)
+    expected = dense(cand_idx, weights, keep, num_experts)
+    torch.testing.assert_close(kept_dense[half:], expected[half:], rtol=1e-5, atol=1e-6)
 
 
 def test_a_distinct_plan_caps_one_decode_step_over_its_requests_tokens(routed):
