@@ -1,7 +1,6 @@
 """allocmoe: budget-aware expert activation (Alloc-MoE) for Mixture-of-Experts language models."""
 
-__version__ = "0.1.0"
-
+from .version import __version__
 from .routing.adapters import supported_model_types
 from .routing.apply import PlanHandle, apply_plan, distinct_plan, static_plan
 from .routing.experts import pack_experts

@@ -83,7 +83,7 @@ class Plan:
         return " ".join(f"{i}:{k:g}" if k is not None else f"{i}:?" for i, k in sorted(self.k_per_layer().items()))
 
     def to_dict(self) -> dict[str, Any]:
-        from .. import __version__
+        from ..version import __version__
 
         provenance = {"allocmoe_version": __version__,
                       "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}

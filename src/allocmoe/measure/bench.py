@@ -248,7 +248,7 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     """Time full / plan / experts off side by side (and, beside a distinct-expert plan or with
     `uniform_beside`, uniform top-k at the activations per decoded token the plan spends, rounded
     to a whole k); returns the JSON-ready result."""
-    from .. import __version__
+    from ..version import __version__
     from ..core.plan import model_fingerprint
 
     config = config or BenchConfig()

@@ -39,7 +39,7 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from .. import __version__
+from ..version import __version__
 from ..routing.apply import apply_plan
 from ..core.budget import Budget
 from ..core.config import check_counts, checked_config, config_class

@@ -363,6 +363,6 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return __version__
