@@ -12,7 +12,7 @@ import torch
 
 from allocmoe import apply_plan, static_plan
 from allocmoe.measure.analyze import js_divergence, spearman
-from allocmoe.measure.evaluate import tokenize_windows
+from allocmoe.scoring import tokenize_windows
 from allocmoe.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -294,7 +294,7 @@ def test_a_new_output_folder_gets_its_results_whole_or_not_at_all(tiny, tmp_path
 def test_an_analysis_interrupted_while_writing_leaves_nothing(tiny, tmp_path, monkeypatch):
     from allocmoe.calibrate.methods import allocate
     from allocmoe.measure.analyze import analyze_plan, write_analysis
-    from allocmoe.measure.evaluate import tokenize_windows
+    from allocmoe.scoring import tokenize_windows
 
     model, tok = tiny
     text = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))

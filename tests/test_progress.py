@@ -10,7 +10,7 @@ from allocmoe.calibrate.methods import allocate
 from allocmoe.calibrate.profile import profile_sensitivity
 from allocmoe.measure.analyze import analyze_plan
 from allocmoe.measure.bench import BenchConfig, benchmark
-from allocmoe.measure.evaluate import tokenize_windows
+from allocmoe.scoring import tokenize_windows
 from allocmoe.measure.sweep import sweep
 from allocmoe.models import load_model
 

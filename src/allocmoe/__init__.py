@@ -6,7 +6,7 @@ from .routing.apply import PlanHandle, apply_plan, distinct_plan, static_plan
 from .routing.experts import pack_experts
 from .core.budget import Budget
 from .errors import AllocMoeError
-from .measure.evaluate import PerplexityConfig, evaluate_perplexity
+from .scoring import PerplexityConfig, evaluate_perplexity
 from .calibrate.methods import AllocateConfig, allocate
 from .calibrate.distinct import DistinctConfig, allocate_distinct, distinct_profile
 from .measure.evaluate.run import evaluate_model

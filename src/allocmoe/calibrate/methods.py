@@ -37,7 +37,7 @@ from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError
-from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
+from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.plan import Plan, check_fingerprint, model_fingerprint
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation

@@ -50,7 +50,7 @@ import torch
 from ..routing.apply import static_plan
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError, Interrupted
-from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
+from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated

@@ -172,7 +172,7 @@ def cmd_sweep(args) -> None:
         check_tasks(tasks, args.include_path)
     refuse_unread(given, {flag for flag, read in reads.items() if read}, SWEEP_READERS,     # once the methods are known
                   f"--methods {','.join(methods)}")
-    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+    from ..scoring.perplexity import check_batch_size, tokenize_windows
 
     windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
                                beyond=None if args.eval_tokens == 16384 else "eval_max_tokens (--eval-tokens)")
@@ -208,7 +208,7 @@ def cmd_compare(args) -> None:
 
 def cmd_analyze(args) -> None:
     from ..measure.analyze import analyze_plan, write_analysis
-    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+    from ..scoring.perplexity import check_batch_size, tokenize_windows
     from ..core.plan import Plan
     from ..texts import read_text
 

@@ -6,8 +6,8 @@ import os
 from typing import Any
 
 from ...routing.apply import apply_plan, static_plan
-from .perplexity import (PerplexityConfig, check_batch_size, check_decode_batch, evaluate_perplexity, tokenize_windows,
-                         window_len)
+from ...scoring.perplexity import (PerplexityConfig, check_batch_size, check_decode_batch, evaluate_perplexity,
+                                   tokenize_windows, window_len)
 from ...models import inspect_model
 from ...core.plan import Plan, model_fingerprint
 from ...errors import AllocMoeError
