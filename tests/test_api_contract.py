@@ -238,7 +238,7 @@ def _add_plan(model, plan, second):
 
 def _bad_calls(model, tok, folder, tmp_path):
     """(call, a substring of its message): plain mistakes, each an AllocMoeError before any work."""
-    from allocmoe.measure.sweep import SweepConfig, sweep
+    from allocmoe.pipelines.sweep import SweepConfig, sweep
     from allocmoe import (AllocateConfig, Plan, DistinctConfig, PerplexityConfig, ProfileConfig, allocate_distinct,
                           distinct_plan, distinct_profile, evaluate_perplexity, generate, profile_sensitivity,
                           read_text)

@@ -201,7 +201,7 @@ def test_an_unknown_task_is_refused_before_any_scoring_or_profiling(tiny_folder,
     from allocmoe.measure.evaluate import run as api
     from allocmoe.texts import read_text
 
-    sweep_module = importlib.import_module("allocmoe.measure.sweep")
+    sweep_module = importlib.import_module("allocmoe.pipelines.sweep")
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the task names were checked")

@@ -11,7 +11,7 @@ from allocmoe.calibrate.profile import profile_sensitivity
 from allocmoe.measure.analyze import analyze_plan
 from allocmoe.measure.bench import BenchConfig, benchmark
 from allocmoe.scoring import tokenize_windows
-from allocmoe.measure.sweep import sweep
+from allocmoe.pipelines.sweep import sweep
 from allocmoe.models import load_model
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))

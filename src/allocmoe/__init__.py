@@ -15,7 +15,7 @@ from .core.plan import Plan, model_fingerprint
 from .core.policies import AllocT, DistinctExperts, NaeeSkip, StaticTopK, TopP, select_experts
 from .calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
 from .serve.generate import generate
-from .measure.sweep import SweepConfig, sweep
+from .pipelines.sweep import SweepConfig, sweep
 from .texts import read_text
 
 __all__ = [

@@ -132,7 +132,7 @@ def cmd_sweep(args) -> None:
     from .calibrate import refuse_unread
     from ..core.budget import Budget
     from ..measure.report import markdown_table
-    from ..measure.sweep import SweepConfig, sweep
+    from ..pipelines.sweep import SweepConfig, sweep
     from ..texts import read_text
 
     check_output_dir(args.output, inputs=sweep_inputs(args), names=sweep_names(args.profile))
