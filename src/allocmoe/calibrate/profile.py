@@ -270,7 +270,7 @@ def _ray_run(spec, windows: torch.Tensor, config: ProfileConfig, fingerprint: di
     from .distributed import RayProfileRun, RaySettings
 
     settings = RaySettings(address=config.ray, workers=config.ray_workers, threads_per_worker=config.threads_per_worker)
-    return RayProfileRun(spec, windows, config, fingerprint, todo, settings)
+    return RayProfileRun(spec, windows, config, fingerprint, todo, settings, cell_run)
 
 
 def _key(configuration: tuple[int, ...]) -> str:
