@@ -358,6 +358,7 @@ def _check_arguments(budget, method, profile, model, tokenizer, calib_text, targ
     from collections.abc import MutableMapping as Mutable
 
     from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
+    from ..models import ModelSpec
     from ..texts import check_text
 
     if not isinstance(budget, Budget):
@@ -367,7 +368,7 @@ def _check_arguments(budget, method, profile, model, tokenizer, calib_text, targ
     check_argument("allocate", "target_ppl", target_ppl, str | int | float | None, "'5%' or a perplexity like 157.0",
                    finite=False)
     if model is not None:
-        check_model_argument("allocate", model, folder=True)
+        check_model_argument("allocate", model, folder=(ModelSpec,))
     check_tokenizer_argument("allocate", tokenizer, optional=True)
     if calib_text is not None:
         check_text(calib_text, "allocate: calib_text")

@@ -208,10 +208,11 @@ def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) 
     from pathlib import Path
 
     from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
+    from ..models import ModelSpec
     from ..core.outputs import check_output_file, refuse_under_a_file
     from ..texts import check_text
 
-    check_model_argument("profile_sensitivity", model, folder=True)
+    check_model_argument("profile_sensitivity", model, folder=(ModelSpec,))
     check_tokenizer_argument("profile_sensitivity", tokenizer,
                              optional=not (isinstance(model, torch.nn.Module)))
     check_text(calib_text, "profile_sensitivity: calib_text")
