@@ -11,7 +11,8 @@ from .calibrate.methods import AllocateConfig, allocate
 from .calibrate.distinct import DistinctConfig, allocate_distinct, distinct_profile
 from .measure.evaluate.run import evaluate_model
 from .models import load_model
-from .core.plan import Plan, model_fingerprint
+from .core.plan import Plan
+from .routing.layout import model_fingerprint
 from .core.policies import AllocT, DistinctExperts, NaeeSkip, StaticTopK, TopP, select_experts
 from .calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
 from .serve.generate import generate

@@ -45,7 +45,8 @@ import torch
 from ..core.budget import read_fraction_or_count, round_half_up
 from ..core.config import check_counts, checked_config, config_class
 from ..core.files import atomic_write_json
-from ..core.plan import Plan, check_fingerprint, model_fingerprint
+from ..core.plan import Plan, check_fingerprint
+from ..routing.layout import model_fingerprint
 from ..core.policies import DistinctExperts, StaticTopK
 from ..core.solver import solve_allocation
 from ..errors import AllocMoeError, Interrupted

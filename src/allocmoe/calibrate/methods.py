@@ -38,7 +38,8 @@ from ..core.budget import Budget
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
-from ..core.plan import Plan, check_fingerprint, model_fingerprint
+from ..core.plan import Plan, check_fingerprint
+from ..routing.layout import model_fingerprint
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
 

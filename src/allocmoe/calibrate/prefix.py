@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..core.plan import model_fingerprint
+from ..routing.layout import model_fingerprint
 from ..routing.apply import apply_plan, static_plan
 
 CHECK_TOLERANCE = 1e-4     # relative difference of one window's logits, started at d vs a full pass

@@ -55,7 +55,8 @@ from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
 from ..core.fingerprint import same_weights, weights_fingerprint
-from ..core.plan import check_fingerprint, model_fingerprint
+from ..core.plan import check_fingerprint
+from ..routing.layout import model_fingerprint
 from .onload import OnloadedModel
 from .cells import CellBar, CellRun
 from .prefix import start_position

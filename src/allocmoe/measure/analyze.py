@@ -21,7 +21,8 @@ from ..routing.adapters import adapter_for_model
 from ..routing.apply import apply_plan, static_plan
 from ..scoring.perplexity import evaluate_perplexity
 from ..core.files import atomic_write_json
-from ..core.plan import Plan, model_fingerprint
+from ..core.plan import Plan
+from ..routing.layout import model_fingerprint
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:

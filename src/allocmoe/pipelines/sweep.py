@@ -47,7 +47,7 @@ from ..errors import AllocMoeError, Interrupted
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, json_safe, read_json
 from ..calibrate.methods import METHODS, AllocateConfig, allocate
-from ..core.plan import model_fingerprint
+from ..routing.layout import model_fingerprint
 from ..calibrate.profile import (ProfileConfig, check_ray_fields, load_profile, model_folder, profile_sensitivity,
                                  why_not_resumed, with_weights)
 

@@ -11,7 +11,6 @@ handle, so one client asking for many budgets cannot lock later clients out.
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import replace
@@ -20,10 +19,9 @@ from typing import Any, Callable
 from ..routing.apply import PlanHandle, apply_plans, static_plan
 from ..core.budget import Budget
 from ..errors import AllocMoeError
-from ..core.plan import Plan, model_fingerprint
+from ..core.plan import PLAN_NAME, Plan
+from ..routing.layout import check_plan, model_fingerprint
 from ..core.policies import AllocT
-
-PLAN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 class UnknownPlan(AllocMoeError):
@@ -58,7 +56,7 @@ class PlanRegistry:
                 raise AllocMoeError(f"plan name {name!r} must be letters, digits, '.', '_' or '-' (at most 64)")
             if name in self._by_name:
                 raise AllocMoeError(f"two plans are named {name!r}; give each --plan NAME=FILE its own name")
-            plan.check_model(model)
+            check_plan(plan, model)
             self._by_name[name] = len(self.plans)
             self.names.append(name)
             self.plans.append(per_sequence(plan))
