@@ -115,6 +115,7 @@ def cmd_serve(args) -> None:
     from ..models import inspect_model
     from ..core.plan import PLAN_NAME, Plan
     from ..routing.layout import check_plan
+    from ..calibrate.methods import allocate
     from ..calibrate.profile import load_profile
     from ..serve.prompts import read_chat_template
 
@@ -151,7 +152,7 @@ def cmd_serve(args) -> None:
     name = args.served_model_name or (BUILTIN_NAME if args.model in (None, "builtin") else Path(args.model).resolve().name)
     config = ServerConfig(model_name=name, plans=plans, profile=profile, max_batch_size=args.max_batch_size,
                           max_queue=args.max_queue, api_key=args.api_key, chat_template=template,
-                          max_model_len=args.max_model_len,
+                          max_model_len=args.max_model_len, allocate=allocate,
                           limits=HTTPLimits(max_request_bytes=args.max_request_bytes,
                                             request_timeout=args.request_timeout,
                                             timeout_keep_alive=args.timeout_keep_alive,
