@@ -44,7 +44,7 @@ import allocmoe  # noqa: E402
 from allocmoe.calibrate.distinct import distinct_profile  # noqa: E402
 from allocmoe.core.budget import round_half_up  # noqa: E402
 from allocmoe.core.files import atomic_write_json  # noqa: E402
-from allocmoe.measure.evaluate.perplexity import tokenize_windows  # noqa: E402
+from allocmoe.scoring.perplexity import tokenize_windows  # noqa: E402
 from allocmoe.measure.report import save_png  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

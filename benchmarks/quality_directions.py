@@ -31,7 +31,7 @@ import torch
 import allocmoe
 from allocmoe.calibrate.profile import profile_sensitivity
 from allocmoe.core.policies import AllocT
-from allocmoe.measure.evaluate.perplexity import evaluate_perplexity, tokenize_windows
+from allocmoe.scoring.perplexity import evaluate_perplexity, tokenize_windows
 from allocmoe.routing.adapters import adapter_for_model
 from allocmoe.routing.adapters.base import MoEAdapter
 from machine import cpu_name

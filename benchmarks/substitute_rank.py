@@ -18,7 +18,7 @@ import torch
 
 import allocmoe
 from allocmoe.calibrate.means import measure_expert_means
-from allocmoe.measure.evaluate.perplexity import evaluate_perplexity, tokenize_windows
+from allocmoe.scoring.perplexity import evaluate_perplexity, tokenize_windows
 from machine import cpu_name
 
 ROOT = Path(__file__).resolve().parents[1]

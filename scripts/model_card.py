@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from allocmoe import apply_plan, evaluate_perplexity, load_model, model_fingerprint, read_text, static_plan
-from allocmoe.measure.evaluate import tokenize_windows
+from allocmoe.scoring import tokenize_windows
 from allocmoe.core.files import atomic_write_json
 from allocmoe.models import BUILTIN_MODEL
 

@@ -238,7 +238,7 @@ def _add_plan(model, plan, second):
 
 def _bad_calls(model, tok, folder, tmp_path):
     """(call, a substring of its message): plain mistakes, each an AllocMoeError before any work."""
-    from allocmoe.measure.sweep import SweepConfig, sweep
+    from allocmoe.pipelines.sweep import SweepConfig, sweep
     from allocmoe import (AllocateConfig, Plan, DistinctConfig, PerplexityConfig, ProfileConfig, allocate_distinct,
                           distinct_plan, distinct_profile, evaluate_perplexity, generate, profile_sensitivity,
                           read_text)
@@ -384,6 +384,8 @@ def _bad_calls(model, tok, folder, tmp_path):
         # a file's path must be a path: os.stat would read 5 as an open file descriptor
         (lambda: Plan.load(5), "plan file must be a path"),
         (lambda: Plan.load(b"plan.json"), "plan file must be a path"),
+        # a plan is data: it is checked against a model's fingerprint, which routing reads off the model
+        (lambda: plain.check_model(model), "Plan.check_model takes the model's fingerprint, got"),
         (lambda: allocate(profile=5, budget=0.5), "profile must be a profile"),
         # generate
         (lambda: generate(model, None, "x"), "generate: tokenizer must be the model's tokenizer"),
@@ -404,7 +406,7 @@ def _bad_calls(model, tok, folder, tmp_path):
     ]
 
 
-BAD_CALLS = 137          # rows in the table above: a row dropped by mistake fails the count
+BAD_CALLS = 138          # rows in the table above: a row dropped by mistake fails the count
 
 
 @pytest.mark.parametrize("index", range(BAD_CALLS))

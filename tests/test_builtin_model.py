@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from allocmoe import apply_plan, evaluate_perplexity, model_fingerprint, read_text, static_plan
-from allocmoe.measure.evaluate import tokenize_windows
+from allocmoe.scoring import tokenize_windows
 from allocmoe.models import BUILTIN_MODEL
 
 pytestmark = pytest.mark.skipif(not (BUILTIN_MODEL / "model.safetensors").exists(), reason="built-in model not built")

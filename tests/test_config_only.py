@@ -59,8 +59,9 @@ def allocate_cli(folder, out, method: str, budget: str = "0.6", *extra: str) -> 
 
 @pytest.mark.parametrize("model_type,overrides", FAMILIES, ids=[f for f, _ in FAMILIES])
 def test_config_alone_gives_the_plan_the_weights_give(model_type, overrides, tmp_path, capsys, counted):
-    from allocmoe import Plan, model_fingerprint
+    from allocmoe import model_fingerprint
     from allocmoe.integrations.vllm_plugin import _check_plan
+    from allocmoe.routing.layout import load_plan
 
     full, bare = folders(tmp_path, model_type, overrides)
     plans = {}
@@ -77,7 +78,7 @@ def test_config_alone_gives_the_plan_the_weights_give(model_type, overrides, tmp
     if model_type in DENSE:
         assert fingerprint["moe_layers"] == DENSE[model_type]
     for method, path in plans.items():
-        plan = Plan.load(path, model)                     # the real model, weights and all, accepts it
+        plan = load_plan(path, model)                     # the real model, weights and all, accepts it
         assert plan.model == fingerprint and sorted(plan.layers) == fingerprint["moe_layers"]
         _check_plan(plan, model.config, fingerprint["moe_layers"])
 

@@ -19,7 +19,7 @@ from allocmoe.calibrate.distinct import distinct_total, parse_distinct_budget, p
 from allocmoe.cli import main
 from allocmoe.core.policies import StaticTopK
 from allocmoe.core.solver import solve_allocation
-from allocmoe.measure.evaluate.perplexity import tokenize_windows
+from allocmoe.scoring.perplexity import tokenize_windows
 from allocmoe.texts import read_text
 
 B, SEQ, TOKENS = 4, 32, 256          # 8 calibration windows of 32 tokens, decoded 4 side by side

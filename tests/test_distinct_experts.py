@@ -16,6 +16,7 @@ from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, evalua
 from allocmoe.core import policies
 from allocmoe.core.policies import DistinctExperts, distinct_per_step, policy_from_dict, select_experts
 from allocmoe.routing.apply import distinct_plan
+from allocmoe.routing.layout import load_plan
 from conftest import build_tiny
 
 
@@ -385,7 +386,7 @@ def test_a_distinct_plan_round_trips_and_bad_entries_are_refused(tmp_path):
     plan.save(tmp_path / "p.json")
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["layers"]["0"] == {"policy": "distinct", "max_experts": 2, "k_floor": 2}
-    assert Plan.load(tmp_path / "p.json", model).layers == plan.layers
+    assert load_plan(tmp_path / "p.json", model).layers == plan.layers
     assert policy_from_dict({"policy": "distinct", "max_experts": 5, "k": 2.5}, k_orig=4) == DistinctExperts(5, 1, 2.5)
     for entry, message in [({"policy": "distinct"}, "max_experts: missing field"),
                            ({"policy": "distinct", "max_experts": 0}, "max_experts"),

@@ -12,7 +12,7 @@ import torch
 
 from allocmoe import apply_plan, static_plan
 from allocmoe.measure.analyze import js_divergence, spearman
-from allocmoe.measure.evaluate import tokenize_windows
+from allocmoe.scoring import tokenize_windows
 from allocmoe.models import load_model
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,7 +201,7 @@ def test_an_unknown_task_is_refused_before_any_scoring_or_profiling(tiny_folder,
     from allocmoe.measure.evaluate import run as api
     from allocmoe.texts import read_text
 
-    sweep_module = importlib.import_module("allocmoe.measure.sweep")
+    sweep_module = importlib.import_module("allocmoe.pipelines.sweep")
 
     def no_work(*args, **kwargs):
         raise AssertionError("work started before the task names were checked")

@@ -240,7 +240,7 @@ def tiny(tiny_folder):
 
 
 def _sweep(tiny, out, budget):
-    from allocmoe.measure.sweep import sweep
+    from allocmoe.pipelines.sweep import sweep
 
     model, tok = tiny
     text = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))
@@ -294,7 +294,7 @@ def test_a_new_output_folder_gets_its_results_whole_or_not_at_all(tiny, tmp_path
 def test_an_analysis_interrupted_while_writing_leaves_nothing(tiny, tmp_path, monkeypatch):
     from allocmoe.calibrate.methods import allocate
     from allocmoe.measure.analyze import analyze_plan, write_analysis
-    from allocmoe.measure.evaluate import tokenize_windows
+    from allocmoe.scoring import tokenize_windows
 
     model, tok = tiny
     text = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))
@@ -367,7 +367,7 @@ TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(300))
 
 def _counting(monkeypatch):
     """Every full-model evaluation and row the sweep scores, by name, as they start."""
-    from allocmoe.measure import sweep as sweep_module
+    from allocmoe.pipelines import sweep as sweep_module
 
     scored = []
     row, full = sweep_module._RowWork.row, sweep_module._RowWork.full
@@ -406,7 +406,7 @@ def _plans(folder):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny, tmp_path_factory):
-    from allocmoe.measure.sweep import sweep
+    from allocmoe.pipelines.sweep import sweep
 
     model, tok = tiny
     out = tmp_path_factory.mktemp("uninterrupted") / "sweep"
@@ -416,7 +416,7 @@ def uninterrupted(tiny, tmp_path_factory):
 def test_a_sweep_interrupted_after_two_rows_keeps_them_and_a_rerun_scores_only_the_rest(
         tiny, tmp_path, monkeypatch, uninterrupted):
     from allocmoe.errors import Interrupted
-    from allocmoe.measure.sweep import sweep
+    from allocmoe.pipelines.sweep import sweep
 
     model, tok = tiny
     out = tmp_path / "sweep"
@@ -436,7 +436,7 @@ def test_a_sweep_interrupted_after_two_rows_keeps_them_and_a_rerun_scores_only_t
 
 
 def test_kept_rows_of_other_settings_are_not_resumed_and_a_warning_says_why(tiny, tmp_path, monkeypatch, capsys):
-    from allocmoe.measure.sweep import sweep
+    from allocmoe.pipelines.sweep import sweep
 
     model, tok = tiny
     out = tmp_path / "sweep"
@@ -452,7 +452,7 @@ def test_kept_rows_of_other_settings_are_not_resumed_and_a_warning_says_why(tiny
 
 
 def test_a_subset_of_the_methods_reuses_the_rows_it_shares(tiny, tmp_path, monkeypatch):
-    from allocmoe.measure.sweep import sweep
+    from allocmoe.pipelines.sweep import sweep
 
     model, tok = tiny
     out = tmp_path / "sweep"
@@ -467,7 +467,7 @@ def test_a_ray_sweep_resumes_the_rows_a_single_process_sweep_kept(tiny_folder, t
     """The kept rows are keyed the same way on Ray (the folder's weights, the same evaluation tokens):
     a Ray rerun scores only the rows the interrupted run did not keep, to the same table."""
     ray = pytest.importorskip("ray")
-    from allocmoe.measure.sweep import sweep
+    from allocmoe.pipelines.sweep import sweep
 
     config = {**SWEEP_ROWS, "methods": ("uniform", "top-p")}
     out = tmp_path / "sweep"

@@ -23,7 +23,7 @@ from allocmoe.cli import main
 def inputs(tmp_path_factory, tiny_folder):
     from allocmoe import allocate, load_model
     from allocmoe.core.files import atomic_write_json
-    from allocmoe.core.plan import model_fingerprint
+    from allocmoe.routing.layout import model_fingerprint
 
     root = tmp_path_factory.mktemp("outputs")
     model, _ = load_model(tiny_folder)

@@ -36,7 +36,7 @@ def saved(family, tok, folder, **overrides):
 
 def cap_for(folder, tok, cells_per_walk, config=CFG):
     """The cap that lets `cells_per_walk` cells walk together (the plan's own arithmetic)."""
-    from allocmoe.measure.evaluate.perplexity import tokenize_windows
+    from allocmoe.scoring.perplexity import tokenize_windows
 
     onloaded = onload.OnloadedModel(inspect_model(folder))
     windows = tokenize_windows(tok, TEXT, config["seq_len"], config["max_tokens"])

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from allocmoe import AllocMoeError, apply_plan, model_fingerprint, static_plan
-from allocmoe.measure.evaluate import evaluate_perplexity, tokenize_windows
+from allocmoe.scoring import evaluate_perplexity, tokenize_windows
 from allocmoe.calibrate.methods import allocate, linear_allocation, spread_evenly
 from allocmoe.calibrate.profile import load_profile, profile_cells, profile_sensitivity
 from conftest import KillAfter, build_tiny

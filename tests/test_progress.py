@@ -10,8 +10,8 @@ from allocmoe.calibrate.methods import allocate
 from allocmoe.calibrate.profile import profile_sensitivity
 from allocmoe.measure.analyze import analyze_plan
 from allocmoe.measure.bench import BenchConfig, benchmark
-from allocmoe.measure.evaluate import tokenize_windows
-from allocmoe.measure.sweep import sweep
+from allocmoe.scoring import tokenize_windows
+from allocmoe.pipelines.sweep import sweep
 from allocmoe.models import load_model
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))

@@ -17,7 +17,7 @@ import torch
 
 from allocmoe.calibrate.profile import ProfileConfig, profile_cells, profile_sensitivity
 from allocmoe.errors import AllocMoeError
-from allocmoe.measure.sweep import SweepConfig, sweep
+from allocmoe.pipelines.sweep import SweepConfig, sweep
 from conftest import KillAfter
 
 ray = pytest.importorskip("ray")
@@ -212,7 +212,7 @@ def test_ray_fields_that_cannot_work_are_refused_before_any_work(config_class, f
 
 def test_ray_workers_on_the_command_line_reach_the_profile_and_sweep_configs(tiny_folder, tmp_path, monkeypatch):
     import allocmoe.calibrate.profile as profile_module
-    import allocmoe.measure.sweep as sweep_module
+    import allocmoe.pipelines.sweep as sweep_module
     from allocmoe.cli import main
 
     seen = {}

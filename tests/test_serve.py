@@ -69,7 +69,7 @@ def setup(reference):
 def base_app(setup):
     plans, profile = setup
     model, tok = load_model()
-    return create_app(model, tok, ServerConfig(plans=plans, profile=profile))
+    return create_app(model, tok, ServerConfig(plans=plans, profile=profile, allocate=allocate))
 
 
 @pytest.fixture(scope="module")
@@ -272,16 +272,14 @@ class Held:
 def test_tokenizing_and_allocating_a_plan_leave_the_event_loop_free(base, base_app, monkeypatch, held):
     """Issue 39: a 1 MB prompt froze every client, /health too, while it was tokenized on the event
     loop; a new budget's plan blocked it 0.2-0.5 s. Each is held here until /health has answered."""
-    import allocmoe.calibrate.methods as methods
-
     server = base_app.state.server
     if held == "tokenizer":
         hold = Held(server.tokenizer)
         monkeypatch.setattr(server, "tokenizer", hold)
         body = {"prompt": "Why", "max_tokens": 2}
     else:
-        hold = Held(methods.allocate)
-        monkeypatch.setattr(methods, "allocate", hold)
+        hold = Held(server.registry.allocate)
+        monkeypatch.setattr(server.registry, "allocate", hold)
         body = {"prompt": "Why", "max_tokens": 2, "allocmoe": {"budget": 0.45}}
     with ThreadPoolExecutor(1) as pool:
         pending = pool.submit(httpx.post, f"{base}/v1/completions", json=body, timeout=2 * HANG)
@@ -635,7 +633,7 @@ def test_budget_plans_past_the_cap_evict_the_least_recently_used_one_no_request_
 
     _, profile = setup
     model, _ = load_model()
-    registry = PlanRegistry(model, MODEL, profile=profile, max_budget_plans=2)
+    registry = PlanRegistry(model, MODEL, profile=profile, max_budget_plans=2, allocate=allocate)
     try:
         first, _ = registry.resolve(None, None, 0.3)
         registry.release(first)
@@ -658,7 +656,7 @@ def test_budget_plans_past_the_cap_evict_the_least_recently_used_one_no_request_
 def test_a_server_with_one_budget_plan_serves_every_budget_each_as_alone(setup, reference):
     _, profile = setup
     model, tok = load_model()
-    with serving(create_app(model, tok, ServerConfig(profile=profile, max_budget_plans=1))) as url:
+    with serving(create_app(model, tok, ServerConfig(profile=profile, max_budget_plans=1, allocate=allocate))) as url:
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
         for budget in (0.3, 0.5, 0.3):
             reply = client.completions.create(model=MODEL, prompt=PROMPTS[4], max_tokens=6, temperature=0,
@@ -769,3 +767,22 @@ def test_serve_refuses_a_port_in_use(capsys):
         with pytest.raises(SystemExit):
             main(["serve", "--port", str(taken.getsockname()[1])])
     assert "cannot listen on 127.0.0.1" in capsys.readouterr().err
+
+
+def test_the_server_makes_budget_plans_only_with_the_allocate_function_it_is_handed():
+    """Issue 36: the server stands beside calibration and imports none of it; the command line hands it
+    allocmoe.allocate. Its copy of the method names must say what calibrate's do."""
+    from allocmoe.calibrate.methods import METHODS, PROFILE_METHODS
+    from allocmoe.errors import AllocMoeError
+    from allocmoe.serve.plans import PlanRegistry
+    from allocmoe.serve.protocol import ON_THE_FLY_METHODS
+    from allocmoe.serve.protocol import PROFILE_METHODS as SERVED_PROFILE_METHODS
+
+    assert SERVED_PROFILE_METHODS == PROFILE_METHODS and set(ON_THE_FLY_METHODS) <= set(METHODS)
+    model, _ = load_model()
+    registry = PlanRegistry(model, MODEL)
+    try:
+        with pytest.raises(AllocMoeError, match="makes no plans for a budget"):
+            registry.resolve(None, None, 0.5, "uniform")
+    finally:
+        registry.close()

@@ -13,7 +13,7 @@ from schemathesis.checks import not_a_server_error
 from schemathesis.specs.openapi.checks import (content_type_conformance, negative_data_rejection,
                                                response_schema_conformance, status_code_conformance)
 
-from allocmoe import load_model
+from allocmoe import allocate, load_model
 from allocmoe.serve.app import ServerConfig, create_app
 from test_serve import serving
 
@@ -23,7 +23,8 @@ TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfo
 @pytest.fixture(scope="module")
 def fuzzed_url(tiny_folder):
     model, tok = load_model(tiny_folder)
-    config = ServerConfig(model_name="tiny", max_model_len=32, max_batch_size=4, max_queue=16, chat_template=TEMPLATE)
+    config = ServerConfig(model_name="tiny", max_model_len=32, max_batch_size=4, max_queue=16, chat_template=TEMPLATE,
+                          allocate=allocate)
     with serving(create_app(model, tok, config)) as url:
         yield url
 

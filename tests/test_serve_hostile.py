@@ -12,7 +12,7 @@ import socket
 import httpx
 import pytest
 
-from allocmoe import load_model
+from allocmoe import allocate, load_model
 from allocmoe.serve.app import ServerConfig, create_app
 from test_serve import serving
 
@@ -22,7 +22,7 @@ HANG = 60       # seconds: only ever reached when something hangs
 @pytest.fixture(scope="module")
 def base():
     model, tok = load_model()
-    with serving(create_app(model, tok, ServerConfig(max_batch_size=2, max_queue=8))) as url:
+    with serving(create_app(model, tok, ServerConfig(max_batch_size=2, max_queue=8, allocate=allocate))) as url:
         yield url
 
 
@@ -225,7 +225,7 @@ def test_metrics_keep_series_only_for_the_budget_plans_still_cached():
     import re
 
     model, tok = load_model()
-    with serving(create_app(model, tok, ServerConfig(max_budget_plans=2))) as url:
+    with serving(create_app(model, tok, ServerConfig(max_budget_plans=2, allocate=allocate))) as url:
         for budget in (6, 8, 10, 12, 14, 16):
             r = post(url, {"prompt": "hi", "max_tokens": 1, "allocmoe": {"budget": budget, "method": "uniform"}})
             assert r.status_code == 200, r.text

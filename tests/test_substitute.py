@@ -9,6 +9,7 @@ from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, distin
 from allocmoe.calibrate.means import measure_expert_means
 from allocmoe.core.means import ExpertMeans, LinearTerm
 from allocmoe.routing.apply import apply_plans
+from allocmoe.routing.layout import load_plan
 from conftest import COMMON, build_tiny
 
 
@@ -116,7 +117,7 @@ def test_the_means_file_travels_with_the_plan_and_is_checked(tmp_path):
     assert sorted(p.name for p in tmp_path.iterdir()) == ["half.json", "half.means.safetensors"]
     doc = json.loads((tmp_path / "half.json").read_text())
     assert doc["substitute"]["means_file"] == "half.means.safetensors" and doc["substitute"]["tokens"] == 10
-    loaded = Plan.load(tmp_path / "half.json", model)
+    loaded = load_plan(tmp_path / "half.json", model)
     for index, t in plan.means.means.items():
         assert torch.equal(loaded.means.means[index], t)
 
@@ -156,7 +157,7 @@ def test_a_plan_that_fails_to_write_leaves_the_earlier_plan_and_its_means_as_the
     with pytest.raises(KeyboardInterrupt):
         new.save(tmp_path / "half.json")
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before      # no temporary file left either
-    loaded = Plan.load(tmp_path / "half.json", model)
+    loaded = load_plan(tmp_path / "half.json", model)
     for index, t in old.means.means.items():
         assert torch.equal(loaded.means.means[index], t)
 
@@ -167,7 +168,7 @@ def test_means_for_another_shape_are_refused(tmp_path):
     plan.means = random_means(build_tiny("olmoe", hidden_size=48))
     plan.save(tmp_path / "p.json")
     with pytest.raises(AllocMoeError, match=r"shape \(8, 48\), the model needs \(8, 32\)"):
-        Plan.load(tmp_path / "p.json", model)
+        load_plan(tmp_path / "p.json", model)
 
 
 def test_a_distinct_plan_cannot_carry_means():

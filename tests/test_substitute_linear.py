@@ -10,6 +10,7 @@ from allocmoe import AllocMoeError, Plan, StaticTopK, apply_plan, model_fingerpr
 from allocmoe.calibrate.means import RIDGE, measure_expert_means
 from allocmoe.cli import main
 from allocmoe.core.means import ExpertMeans, LinearTerm, read_means
+from allocmoe.routing.layout import load_plan
 from allocmoe.routing.substitute import LayerSubstitute
 from conftest import COMMON, build_tiny
 
@@ -139,7 +140,7 @@ def test_the_linear_term_travels_in_the_means_file_and_a_broken_one_is_refused(t
     plan = plan_of(model, 2)
     plan.means = measure_expert_means(model, windows, rank=2)
     plan.save(tmp_path / "p.json")
-    loaded = Plan.load(tmp_path / "p.json", model)
+    loaded = load_plan(tmp_path / "p.json", model)
     assert loaded.means.rank == 2
     for index, term in plan.means.linear.items():
         for part in ("input_mean", "down", "up"):

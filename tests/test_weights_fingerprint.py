@@ -160,7 +160,7 @@ def test_a_model_in_memory_is_hashed_by_its_tensors_and_a_change_in_place_is_see
 
 
 def test_a_sweep_does_not_reuse_the_profile_or_rows_of_other_weights(tok, tmp_path, capsys):
-    from allocmoe.measure.sweep import sweep
+    from allocmoe.pipelines.sweep import sweep
 
     config = {"budgets": ("1/2",), "methods": ("uniform", "alloc-l"), "eval_max_tokens": 96, "seq_len": 32,
               "progress": False, "profile": {"max_tokens": 256}}

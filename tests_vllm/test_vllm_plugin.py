@@ -63,10 +63,11 @@ def setup(request, tmp_path_factory):
 
 def reference(model, tok, prompt_ids, plan_file):
     """allocmoe's own generate: (tokens, activations per token counted by PlanHandle)."""
-    from allocmoe import Plan, apply_plan, generate
+    from allocmoe import apply_plan, generate
+    from allocmoe.routing.layout import load_plan
     from allocmoe.serve.plans import per_sequence
 
-    plan = per_sequence(Plan.load(plan_file, model)) if plan_file else None
+    plan = per_sequence(load_plan(plan_file, model)) if plan_file else None
     if plan is None:
         stream = generate(model, tok, prompt_ids, max_new_tokens=MAX_TOKENS)
         list(stream)

@@ -1,22 +1,22 @@
 """allocmoe: budget-aware expert activation (Alloc-MoE) for Mixture-of-Experts language models."""
 
-__version__ = "0.1.0"
-
+from .version import __version__
 from .routing.adapters import supported_model_types
 from .routing.apply import PlanHandle, apply_plan, distinct_plan, static_plan
 from .routing.experts import pack_experts
 from .core.budget import Budget
 from .errors import AllocMoeError
-from .measure.evaluate import PerplexityConfig, evaluate_perplexity
+from .scoring import PerplexityConfig, evaluate_perplexity
 from .calibrate.methods import AllocateConfig, allocate
 from .calibrate.distinct import DistinctConfig, allocate_distinct, distinct_profile
 from .measure.evaluate.run import evaluate_model
 from .models import load_model
-from .core.plan import Plan, model_fingerprint
+from .core.plan import Plan
+from .routing.layout import model_fingerprint
 from .core.policies import AllocT, DistinctExperts, NaeeSkip, StaticTopK, TopP, select_experts
 from .calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
 from .serve.generate import generate
-from .measure.sweep import SweepConfig, sweep
+from .pipelines.sweep import SweepConfig, sweep
 from .texts import read_text
 
 __all__ = [

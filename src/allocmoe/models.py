@@ -67,7 +67,8 @@ class ModelSpec:
 
     def skeleton(self):
         """The model's modules on the meta device: its MoE layout and config, no weights read or held.
-        Plans and profiles check against it (`Plan.load(path, spec.skeleton())`) as against the model."""
+        Plans and profiles check against it (`routing.layout.check_plan(plan, spec.skeleton())`) as
+        against the model."""
         if self._skeleton is None:
             from transformers import AutoModelForCausalLM
 
@@ -84,8 +85,8 @@ class ModelSpec:
         return self._skeleton
 
     def fingerprint(self) -> dict[str, Any]:
-        """What a plan or profile must match (core.plan.model_fingerprint), from the config alone."""
-        from .core.plan import model_fingerprint
+        """What a plan or profile must match (routing.layout.model_fingerprint), from the config alone."""
+        from .routing.layout import model_fingerprint
 
         return model_fingerprint(self.skeleton())
 

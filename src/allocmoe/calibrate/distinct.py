@@ -24,7 +24,7 @@ from there, to the same numbers. Finished cells are kept in a resume file after 
 interrupted run recomputes at most the cell it was in. Work is counted in decoder-layer passes
 (tokens x decoder layers), beside what full passes would cost.
 
-Not here: the policy (core/policies.py), the grouping (measure/evaluate/perplexity.py), the DP
+Not here: the policy (core/policies.py), the grouping (scoring/perplexity.py), the DP
 (core/solver.py). A plan's `budget` (activations per token) is the full L*K: it bounds experts
 per step, not activations.
 """
@@ -45,12 +45,13 @@ import torch
 from ..core.budget import read_fraction_or_count, round_half_up
 from ..core.config import check_counts, checked_config, config_class
 from ..core.files import atomic_write_json
-from ..core.plan import Plan, check_fingerprint, model_fingerprint
+from ..core.plan import Plan, check_fingerprint
+from ..routing.layout import model_fingerprint
 from ..core.policies import DistinctExperts, StaticTopK
 from ..core.solver import solve_allocation
 from ..errors import AllocMoeError, Interrupted
-from ..measure.evaluate.perplexity import (check_decode_batch, default_seq_len, evaluate_perplexity,
-                                           tokenize_windows, window_len)
+from ..scoring.perplexity import (check_decode_batch, default_seq_len, evaluate_perplexity,
+                                  tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
 from .cells import CellBar, CellRun
 from .profile import resumed_cells, with_weights

@@ -176,16 +176,15 @@ class RayPool:
 
 class _ProfileJob:
     """A profile worker's fixed inputs; an item is a group of cells of one MoE layer, run by the
-    single-process code, yielding ("cell", (configuration, perplexity)) as each finishes, then
+    single-process code (`cell_run`, profile.cell_run: handed in, so this module stays below the
+    profile that uses it), yielding ("cell", (configuration, perplexity)) as each finishes, then
     ("facts", the work it counted)."""
 
-    def __init__(self, windows: torch.Tensor, config, fingerprint: dict[str, Any]):
-        self.windows, self.config, self.fingerprint = windows, config, fingerprint
+    def __init__(self, windows: torch.Tensor, config, fingerprint: dict[str, Any], cell_run: Callable):
+        self.windows, self.config, self.fingerprint, self.cell_run = windows, config, fingerprint, cell_run
 
     def run(self, model, tokenizer, group: list[tuple[int, ...]]):
-        from .profile import cell_run
-
-        run = cell_run(model, tokenizer, self.windows, self.config, self.fingerprint, group)
+        run = self.cell_run(model, tokenizer, self.windows, self.config, self.fingerprint, group)
         try:
             for configuration, ppl in run.cells(_NoBar()):
                 yield "cell", (configuration, ppl)
@@ -210,10 +209,11 @@ class _NoBar:
 
 class RayProfileRun:
     """The passes of a profile run on Ray, with the interface of cells.CellRun: `cells(bar)`
-    yields (configuration, perplexity) as cells come back, in whatever order they finish."""
+    yields (configuration, perplexity) as cells come back, in whatever order they finish. Each
+    worker runs its cells with `cell_run` (profile.cell_run), which travels to it by name."""
 
     def __init__(self, spec, windows: torch.Tensor, config, fingerprint: dict[str, Any], todo: list[tuple[int, ...]],
-                 settings: RaySettings):
+                 settings: RaySettings, cell_run: Callable):
         from .prefix import start_position
 
         groups: dict[int, list[tuple[int, ...]]] = {}
@@ -227,8 +227,9 @@ class RayProfileRun:
         try:                                             # a Ray this run started never outlives a failed setup
             if todo:
                 worker_config = replace(config, progress=False, ray=None, ray_workers=None, threads_per_worker=1)
-                self.pool = RayPool(ProfileWorker, spec, _ProfileJob(windows, worker_config, fingerprint), settings,
-                                    workers, "the finished cells are kept in the partial file, rerun to resume")
+                job = _ProfileJob(windows, worker_config, fingerprint, cell_run)
+                self.pool = RayPool(ProfileWorker, spec, job, settings, workers,
+                                    "the finished cells are kept in the partial file, rerun to resume")
         except BaseException:
             self.release()
             raise

@@ -37,8 +37,9 @@ from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError
-from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
-from ..core.plan import Plan, check_fingerprint, model_fingerprint
+from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
+from ..core.plan import Plan, check_fingerprint
+from ..routing.layout import model_fingerprint
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
 
@@ -358,6 +359,7 @@ def _check_arguments(budget, method, profile, model, tokenizer, calib_text, targ
     from collections.abc import MutableMapping as Mutable
 
     from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
+    from ..models import ModelSpec
     from ..texts import check_text
 
     if not isinstance(budget, Budget):
@@ -367,7 +369,7 @@ def _check_arguments(budget, method, profile, model, tokenizer, calib_text, targ
     check_argument("allocate", "target_ppl", target_ppl, str | int | float | None, "'5%' or a perplexity like 157.0",
                    finite=False)
     if model is not None:
-        check_model_argument("allocate", model, folder=True)
+        check_model_argument("allocate", model, folder=(ModelSpec,))
     check_tokenizer_argument("allocate", tokenizer, optional=True)
     if calib_text is not None:
         check_text(calib_text, "allocate: calib_text")

@@ -19,7 +19,7 @@ would be in a cell. A model where they differ, or whose decoder stack is not `mo
 raises PrefixCacheUnsupported and the profile falls back to full passes.
 
 Not here: which configurations to run (profile.profile_cells) and the perplexity itself
-(measure/evaluate/perplexity.py, called unchanged so a cell's number is the naive one).
+(scoring/perplexity.py, called unchanged so a cell's number is the naive one).
 
 Work is counted in decoder-layer passes: tokens x decoder layers run.
 Shape legend: b = windows in a batch, S = window length, H = hidden size, V = vocabulary.
@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 import torch
 from torch import nn
 
-from ..core.plan import model_fingerprint
+from ..routing.layout import model_fingerprint
 from ..routing.apply import apply_plan, static_plan
 
 CHECK_TOLERANCE = 1e-4     # relative difference of one window's logits, started at d vs a full pass

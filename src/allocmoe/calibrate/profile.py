@@ -50,12 +50,13 @@ import torch
 from ..routing.apply import static_plan
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError, Interrupted
-from ..measure.evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
+from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
 from ..core.formats import PROFILE_FORMAT_VERSION as FORMAT_VERSION
 from ..core.formats import ProfileDocument, validated
 from ..core.fingerprint import same_weights, weights_fingerprint
-from ..core.plan import check_fingerprint, model_fingerprint
+from ..core.plan import check_fingerprint
+from ..routing.layout import model_fingerprint
 from .onload import OnloadedModel
 from .cells import CellBar, CellRun
 from .prefix import start_position
@@ -208,10 +209,11 @@ def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) 
     from pathlib import Path
 
     from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
+    from ..models import ModelSpec
     from ..core.outputs import check_output_file, refuse_under_a_file
     from ..texts import check_text
 
-    check_model_argument("profile_sensitivity", model, folder=True)
+    check_model_argument("profile_sensitivity", model, folder=(ModelSpec,))
     check_tokenizer_argument("profile_sensitivity", tokenizer,
                              optional=not (isinstance(model, torch.nn.Module)))
     check_text(calib_text, "profile_sensitivity: calib_text")
@@ -270,7 +272,7 @@ def _ray_run(spec, windows: torch.Tensor, config: ProfileConfig, fingerprint: di
     from .distributed import RayProfileRun, RaySettings
 
     settings = RaySettings(address=config.ray, workers=config.ray_workers, threads_per_worker=config.threads_per_worker)
-    return RayProfileRun(spec, windows, config, fingerprint, todo, settings)
+    return RayProfileRun(spec, windows, config, fingerprint, todo, settings, cell_run)
 
 
 def _key(configuration: tuple[int, ...]) -> str:

@@ -36,7 +36,7 @@ from typing import Any
 import torch
 
 from ..errors import AllocMoeError
-from ..measure.evaluate.perplexity import perplexity_of, summed_nll
+from ..scoring.perplexity import perplexity_of, summed_nll
 from ..routing.apply import apply_plan, static_plan
 from .onload import EMBEDDING, HEAD, RESIDENT, OnloadedModel
 from .prefix import Captured, capture_before, pass_through, start_position, started_at

@@ -26,7 +26,7 @@ from .common import Parser
 
 
 def build_parser() -> Parser:
-    from .. import __version__
+    from ..version import __version__
     from .serve import add_generate_parser, add_serve_parser
     from . import calibrate, deploy, measure
 

@@ -129,7 +129,7 @@ def check_calibration(spec, text: str, seq_len: int | None, calib_tokens: int, b
     """The library's checks of a calibration run, before the weights load: the text long enough for a
     window, --calib-tokens no more than the text has (8192, the default, reads as "up to") and
     --batch-size no more windows than the text gives."""
-    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+    from ..scoring.perplexity import check_batch_size, tokenize_windows
 
     windows = tokenize_windows(spec.tokenizer(), text, check_seq_len(spec, seq_len), calib_tokens,
                                beyond=None if calib_tokens == 8192 else f"{field} (--calib-tokens)")

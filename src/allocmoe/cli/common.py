@@ -139,7 +139,7 @@ def load(args, spec=None):
 
 def check_seq_len(spec, seq_len: int | None) -> int:
     """The window length `--seq-len` gives on this model, refused past its context (the library's rule)."""
-    from ..measure.evaluate.perplexity import window_len
+    from ..scoring.perplexity import window_len
 
     return window_len(spec.skeleton(), seq_len)
 

@@ -132,7 +132,7 @@ def cmd_sweep(args) -> None:
     from .calibrate import refuse_unread
     from ..core.budget import Budget
     from ..measure.report import markdown_table
-    from ..measure.sweep import SweepConfig, sweep
+    from ..pipelines.sweep import SweepConfig, sweep
     from ..texts import read_text
 
     check_output_dir(args.output, inputs=sweep_inputs(args), names=sweep_names(args.profile))
@@ -172,7 +172,7 @@ def cmd_sweep(args) -> None:
         check_tasks(tasks, args.include_path)
     refuse_unread(given, {flag for flag, read in reads.items() if read}, SWEEP_READERS,     # once the methods are known
                   f"--methods {','.join(methods)}")
-    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+    from ..scoring.perplexity import check_batch_size, tokenize_windows
 
     windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
                                beyond=None if args.eval_tokens == 16384 else "eval_max_tokens (--eval-tokens)")
@@ -208,8 +208,9 @@ def cmd_compare(args) -> None:
 
 def cmd_analyze(args) -> None:
     from ..measure.analyze import analyze_plan, write_analysis
-    from ..measure.evaluate.perplexity import check_batch_size, tokenize_windows
+    from ..scoring.perplexity import check_batch_size, tokenize_windows
     from ..core.plan import Plan
+    from ..routing.layout import check_plan
     from ..texts import read_text
 
     check_output_dir(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--text", args.text),
@@ -218,7 +219,7 @@ def cmd_analyze(args) -> None:
     plan = Plan.load(args.plan)
     spec = inspect(args)
     seq_len = check_seq_len(spec, args.seq_len)
-    plan.check_model(spec.skeleton())
+    check_plan(plan, spec.skeleton())
     windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
                                beyond=None if args.eval_tokens == 16384 else "--eval-tokens")
     check_batch_size(windows, args.batch_size)
@@ -273,6 +274,7 @@ def cmd_bench(args) -> None:
     from ..calibrate.methods import METHODS, allocate
     from ..core.budget import Budget
     from ..core.plan import Plan
+    from ..routing.layout import check_plan
     from ..core.memory import check_free_memory
     from ..measure.bench import (BenchConfig, benchmark, check_memory, distinct_plan_for, format_table,
                                  is_distinct_plan, parse_max_distinct)
@@ -330,7 +332,7 @@ def cmd_bench(args) -> None:
                             f"past this model's context of {spec.context}; lower --input-len or --output-len")
     fingerprint = spec.fingerprint()
     if plan is not None:
-        plan.check_model(spec.skeleton())
+        check_plan(plan, spec.skeleton())
     elif args.budget is not None:
         Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
         if args.method == "alloc-t":

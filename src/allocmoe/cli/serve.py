@@ -41,6 +41,7 @@ def add_generate_parser(sub) -> None:
 def cmd_generate(args) -> None:
     from ..models import inspect_model
     from ..core.plan import Plan
+    from ..routing.layout import check_plan
     from ..serve.generate import generate
     from ..serve.prompts import read_chat_template
     from ..serve.sampling import SamplingParams
@@ -56,7 +57,7 @@ def cmd_generate(args) -> None:
     plan = Plan.load(args.plan) if args.plan else None
     spec = inspect_model(args.model, trust_remote_code=args.trust_remote_code)
     if plan is not None:
-        plan.check_model(spec.skeleton())           # a plan of another model, before the weights load
+        check_plan(plan, spec.skeleton())           # a plan of another model, before the weights load
     model, tok = spec.load()
     stream = generate(model, tok, prompt, plan, max_new_tokens=args.max_new_tokens, temperature=args.temperature,
                       top_p=args.top_p, seed=args.seed, stop=args.stop, chat=args.chat, chat_template=template)
@@ -112,9 +113,10 @@ def cmd_serve(args) -> None:
         raise AllocMoeError(f"allocmoe serve needs the serve extra ({exc.name} is missing): "
                             "pip install 'allocmoe[serve]'") from None
     from ..models import inspect_model
-    from ..core.plan import Plan
+    from ..core.plan import PLAN_NAME, Plan
+    from ..routing.layout import check_plan
+    from ..calibrate.methods import allocate
     from ..calibrate.profile import load_profile
-    from ..serve.plans import PLAN_NAME
     from ..serve.prompts import read_chat_template
 
     for name, value in (("--max-batch-size", args.max_batch_size), ("--num-threads", args.num_threads),
@@ -139,7 +141,7 @@ def cmd_serve(args) -> None:
     spec = inspect_model(args.model, trust_remote_code=args.trust_remote_code)
     skeleton = spec.skeleton()              # plans, profile and lengths checked before the weights load
     for plan in plans.values():
-        plan.check_model(skeleton)
+        check_plan(plan, skeleton)
     profile = load_profile(args.profile, skeleton) if args.profile else None
     if args.max_model_len is not None and spec.context is not None and not 2 <= args.max_model_len <= spec.context:
         raise AllocMoeError(f"max model len {args.max_model_len} must lie between 2 and the model's context of "
@@ -150,7 +152,7 @@ def cmd_serve(args) -> None:
     name = args.served_model_name or (BUILTIN_NAME if args.model in (None, "builtin") else Path(args.model).resolve().name)
     config = ServerConfig(model_name=name, plans=plans, profile=profile, max_batch_size=args.max_batch_size,
                           max_queue=args.max_queue, api_key=args.api_key, chat_template=template,
-                          max_model_len=args.max_model_len,
+                          max_model_len=args.max_model_len, allocate=allocate,
                           limits=HTTPLimits(max_request_bytes=args.max_request_bytes,
                                             request_timeout=args.request_timeout,
                                             timeout_keep_alive=args.timeout_keep_alive,

@@ -172,18 +172,17 @@ def check_argument(function: str, name: str, value: Any, hint, fix: str | None =
                             f"({type(value).__name__}); give {fix or describe(hint)}")
 
 
-def check_model_argument(function: str, model: Any, folder: bool = False) -> None:
+def check_model_argument(function: str, model: Any, folder: tuple[type, ...] = ()) -> None:
     """Refuse a `model` that is not a loaded model (torch module with a transformers config); with
-    `folder`, a model folder (path or ModelSpec) is accepted as well."""
+    `folder`, the types that name a model folder besides a path (the caller's models.ModelSpec:
+    core imports no model-facing module), a model folder is accepted as well."""
     import os
 
     import torch
 
-    from ..models import ModelSpec
-
     if isinstance(model, torch.nn.Module) and hasattr(model, "config"):
         return
-    if folder and isinstance(model, (str, os.PathLike, ModelSpec)):
+    if folder and isinstance(model, (str, os.PathLike, *folder)):
         return
     wanted = "a loaded model (allocmoe.load_model(...)[0])" + (" or a model folder's path" if folder else "")
     raise AllocMoeError(f"{function}: model must be {wanted}, got {_shown(model)} ({type(model).__name__}); "

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import datetime as _dt
 import hashlib
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -35,15 +36,9 @@ from .policies import Policy, policy_from_entry, policy_to_dict
 
 FINGERPRINT_KEYS = ("model_type", "num_moe_layers", "num_experts", "k_orig", "moe_layers")
 
-
-def model_fingerprint(model) -> dict[str, Any]:
-    """What a plan or profile must match: family, MoE layer indices, expert count and K_orig."""
-    from ..routing.adapters import adapter_for_model
-
-    adapter = adapter_for_model(model)
-    layers = [layer.index for layer in adapter.moe_layers(model)]
-    return {"model_type": model.config.model_type, "num_moe_layers": len(layers),
-            "num_experts": adapter.num_experts(), "k_orig": adapter.k_orig(), "moe_layers": layers}
+# A plan's name where plans are named (a server's MODEL@NAME, `--plan NAME=FILE`, the vLLM plugin's
+# ALLOCMOE_PLANS): letters, digits, '.', '_' or '-', at most 64, not starting with a punctuation mark.
+PLAN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 
 def check_fingerprint(found: dict[str, Any], expected: dict[str, Any], what: str) -> None:
@@ -83,7 +78,7 @@ class Plan:
         return " ".join(f"{i}:{k:g}" if k is not None else f"{i}:?" for i, k in sorted(self.k_per_layer().items()))
 
     def to_dict(self) -> dict[str, Any]:
-        from .. import __version__
+        from ..version import __version__
 
         provenance = {"allocmoe_version": __version__,
                       "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
@@ -132,23 +127,29 @@ class Plan:
             atomic_write_json(path, self.to_document())
 
     @classmethod
-    def load(cls, path, model=None) -> "Plan":
-        """Load a plan; with `model`, also check it was made for that model."""
+    def load(cls, path, fingerprint: dict[str, Any] | None = None, hidden_size: int | None = None) -> "Plan":
+        """Load a plan; with a model's `fingerprint` (and `hidden_size`), also check it was made for that
+        model (`check_model`). allocmoe.routing.layout.load_plan(path, model) reads both off a model."""
         plan = cls.from_dict(read_json(path, "plan"), source=f"plan {path}")
         if plan.substitute:
             plan.means = read_means(Path(path).parent / plan.substitute["means_file"], plan.substitute["sha256"],
                                     f"plan {path}")
             plan.means.check_shape(plan.model["moe_layers"], plan.model["num_experts"], None, f"plan {path}")
-        if model is not None:
-            plan.check_model(model)
+        if fingerprint is not None:
+            plan.check_model(fingerprint, hidden_size, "Plan.load")
         return plan
 
-    def check_model(self, model) -> None:
-        expected = model_fingerprint(model)
-        check_fingerprint(self.model, expected, "the plan")
-        missing = set(expected["moe_layers"]) - set(self.layers)
+    def check_model(self, fingerprint: dict[str, Any], hidden_size: int | None = None,
+                    caller: str = "Plan.check_model") -> None:
+        """Refuse this plan unless it was made for the model of `fingerprint` (allocmoe.model_fingerprint:
+        a plan is data, so the model is read by routing/, not here); with the model's `hidden_size`,
+        its expert means are checked against it too. routing.layout.check_plan(plan, model) does both."""
+        if not isinstance(fingerprint, dict):
+            raise AllocMoeError(f"{caller} takes the model's fingerprint, got {type(fingerprint).__name__}; give "
+                                "allocmoe.model_fingerprint(model)")
+        check_fingerprint(self.model, fingerprint, "the plan")
+        missing = set(fingerprint["moe_layers"]) - set(self.layers)
         if missing:
             raise AllocMoeError(f"the plan has no entry for MoE layer(s) {sorted(missing)}; recreate it")
         if self.means is not None:
-            self.means.check_shape(expected["moe_layers"], expected["num_experts"],
-                                   getattr(model.config, "hidden_size", None), "the plan")
+            self.means.check_shape(fingerprint["moe_layers"], fingerprint["num_experts"], hidden_size, "the plan")

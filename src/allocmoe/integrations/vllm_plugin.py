@@ -71,7 +71,7 @@ class PluginConfig:
 def parse_named_plans(items, what: str) -> dict[str, Path]:
     """NAME=PLAN.json items (ALLOCMOE_PLANS, `allocmoe export --request-plan`): names unique, not DEFAULT."""
     from ..errors import AllocMoeError
-    from ..serve.plans import PLAN_NAME
+    from ..core.plan import PLAN_NAME
 
     named: dict[str, Path] = {}
     for item in items:
@@ -186,7 +186,7 @@ def _moe_layers_of(hf_config) -> list[int] | None:
         import torch
         from transformers import AutoModelForCausalLM
 
-        from ..core.plan import model_fingerprint
+        from ..routing.layout import model_fingerprint
 
         with torch.device("meta"):
             return list(model_fingerprint(AutoModelForCausalLM.from_config(hf_config))["moe_layers"])

@@ -1,2 +1,3 @@
-"""Measuring a plan: perplexity and lm-eval tasks, latency benches, routing analyses, sweeps and their
-reports."""
+"""Measuring a plan: quality (evaluate/: evaluate_model, lm-eval tasks, paired comparison), latency
+benches, routing analyses, and the sweep's report. Perplexity itself is scored by allocmoe.scoring;
+the sweep, which calibrates as well as measures, is a pipeline above both (allocmoe.pipelines)."""

@@ -19,9 +19,10 @@ import torch
 
 from ..routing.adapters import adapter_for_model
 from ..routing.apply import apply_plan, static_plan
-from .evaluate.perplexity import evaluate_perplexity
+from ..scoring.perplexity import evaluate_perplexity
 from ..core.files import atomic_write_json
-from ..core.plan import Plan, model_fingerprint
+from ..core.plan import Plan
+from ..routing.layout import model_fingerprint
 
 
 def ranks(x: torch.Tensor) -> torch.Tensor:

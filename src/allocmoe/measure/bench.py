@@ -194,7 +194,7 @@ def unrestricted_union(model, config: BenchConfig, seed: int = 1) -> dict[int, f
     """Per MoE layer, the mean distinct experts per decode step of unmodified top-K routing at
     config.batch_size, over config.output_len decode steps after other random prompts than the
     timed ones (seed 1): the union a distinct-expert fraction is taken of."""
-    from ..core.plan import model_fingerprint
+    from ..routing.layout import model_fingerprint
 
     fingerprint = model_fingerprint(model)
     full = static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])
@@ -248,8 +248,8 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     """Time full / plan / experts off side by side (and, beside a distinct-expert plan or with
     `uniform_beside`, uniform top-k at the activations per decoded token the plan spends, rounded
     to a whole k); returns the JSON-ready result."""
-    from .. import __version__
-    from ..core.plan import model_fingerprint
+    from ..version import __version__
+    from ..routing.layout import model_fingerprint
 
     config = config or BenchConfig()
     fingerprint = model_fingerprint(model)

@@ -39,6 +39,7 @@ from ..errors import AllocMoeError
 from .experts import compact_experts_forward
 from .substitute import LayerSubstitute, experts_forward, layer_substitute, substituted
 from ..core.plan import Plan
+from .layout import check_plan, model_fingerprint
 from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distinct_per_step,
                              expected_alloc_t_activations, prefix_mask, step_count)
 
@@ -365,7 +366,7 @@ class PlanHandle:
         if not self.active:
             raise AllocMoeError("this plan handle was removed; apply the plans again")
         plan = as_plan(plan, caller)
-        plan.check_model(self.model)
+        check_plan(plan, self.model)
         for layer in self._layers:
             plan.layers[layer.index].check(self._k_orig)
         added = {layer.index: layer_substitute(plan, layer) for layer in self._layers}
@@ -497,7 +498,7 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
     plans = [as_plan(plan, _caller) for plan in plans]
     adapter = adapter_for_model(model)
     for plan in plans:
-        plan.check_model(model)
+        check_plan(plan, model)
     layers = adapter.moe_layers(model)
     installed = active_handle(model)
     if installed is not None and installed._model_id != id(model):
@@ -551,7 +552,6 @@ def static_plan(model: nn.Module, k_per_layer: dict[int, int] | list[int], metho
     """A plan of static top-k per layer: a list (or tuple) of one k per MoE layer, in MoE-layer order, or
     {MoE-layer index: k} naming every MoE layer; each k a whole number in 1..K (the model's top-k)."""
     from ..core.config import check_argument, check_model_argument
-    from ..core.plan import model_fingerprint
 
     check_model_argument("static_plan", model)
     check_argument("static_plan", "method", method, str)
@@ -568,7 +568,6 @@ def distinct_plan(model: nn.Module, max_experts: int | dict[int, int] | list[int
     in each MoE layer (one number for all, a list in MoE-layer order, or {layer index: M}). Its
     budget is the full L * K_orig: the plan bounds experts per step, not activations per token."""
     from ..core.config import check_argument, check_model_argument
-    from ..core.plan import model_fingerprint
 
     check_model_argument("distinct_plan", model)
     check_argument("distinct_plan", "method", method, str)

@@ -5,7 +5,9 @@
 
 Routes: GET /health, GET /v1/models, GET /metrics, POST /v1/completions, POST /v1/chat/completions.
 A request picks its plan by `"model": "MODEL@NAME"`, by `"allocmoe": {"plan": NAME}`, or by
-`"allocmoe": {"budget": 0.4}` when the server has a profile; none means the full model.
+`"allocmoe": {"budget": 0.4}` when the server was handed an allocate function (ServerConfig.allocate,
+allocmoe.allocate from the command line; alloc-moe and alloc-l need its profile too); none means the
+full model.
 
 The engine runs in its own thread; a request hands it a `Request` whose `on_update` callback pushes
 each settled text piece onto the request's asyncio queue (`call_soon_threadsafe`). Every error a
@@ -38,7 +40,7 @@ from .engine import Engine, QueueFull, Request
 from .http import Guard, HTTPLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
 from .openapi import error_responses, METRICS_RESPONSES, generation_responses, tidy_openapi
-from .plans import PlanRegistry, UnknownPlan
+from .plans import Allocate, PlanRegistry, UnknownPlan
 from .prompts import chat_prompt_ids, check_token_ids, longest_token, text_prompt_ids
 from .protocol import (CONTEXT_TOKENS, ChatCompletionRequest, CompletionRequest, describe_validation_errors,
                        error_body)
@@ -59,6 +61,7 @@ class ServerConfig:
     chat_template: str | None = None                # Jinja text overriding the tokenizer's chat template
     max_model_len: int | None = None                # prompt + new tokens at most (default: the model's context)
     max_budget_plans: int = 32                      # on-the-fly budget plans kept (least recently used go first)
+    allocate: Allocate | None = None                # makes a requested budget's plan (allocmoe.allocate); None: refused
     limits: HTTPLimits = field(default_factory=HTTPLimits)   # body size, timeouts, connections, shutdown
 
 
@@ -69,7 +72,8 @@ class Server:
         self.model, self.tokenizer, self.config = model, tokenizer, config
         self.metrics = ServerMetrics()
         self.registry = PlanRegistry(model, config.model_name, config.plans, config.profile,
-                                     max_budget_plans=config.max_budget_plans, on_evict=self.metrics.forget)
+                                     max_budget_plans=config.max_budget_plans, on_evict=self.metrics.forget,
+                                     allocate=config.allocate)
         try:
             self.engine = Engine(model, tokenizer, self.registry.handle, config.max_batch_size, config.max_queue,
                                  on_pass=self.metrics.on_pass, max_model_len=config.max_model_len)
@@ -363,6 +367,6 @@ def _add_error_handlers(app: FastAPI, server: Server) -> None:
 
 
 def _version() -> str:
-    from .. import __version__
+    from ..version import __version__
 
     return __version__

@@ -281,7 +281,7 @@ class Engine:
         self._retire()
 
     def _full(self, tokens: int) -> float:
-        from ..core.plan import model_fingerprint
+        from ..routing.layout import model_fingerprint
 
         if self.full_activations is None:
             fingerprint = model_fingerprint(self.model)

@@ -19,7 +19,8 @@ from typing import Any, Iterator
 from ..routing.apply import active_handle, apply_plan
 from ..errors import AllocMoeError
 from ..core.config import check_argument, check_model_argument, check_tokenizer_argument
-from ..core.plan import Plan, model_fingerprint
+from ..core.plan import Plan
+from ..routing.layout import load_plan, model_fingerprint
 from .engine import Engine, Request
 from .prompts import chat_prompt_ids, check_token_ids, text_prompt_ids
 from .sampling import SamplingParams
@@ -116,7 +117,7 @@ def generate(model, tokenizer, prompt: str | list[int] | list[dict[str, Any]],
     params = SamplingParams(max_new_tokens=max_new_tokens, temperature=temperature, top_p=top_p, seed=seed,
                             stop=tuple(stop))
     if plan is not None and not isinstance(plan, Plan):
-        plan = Plan.load(plan, model)
+        plan = load_plan(plan, model)
     if plan is not None and active_handle(model) is not None:
         raise AllocMoeError("a plan is already applied to this model; pass plan=None to generate under it, "
                             "or remove its handle first")

@@ -7,11 +7,13 @@ one request's tokens take another request's activations.
 At most `max_budget_plans` budget plans are kept: a new budget past that evicts the least recently
 used one that no request holds (`resolve` holds a plan until `release`), reusing its slot in the
 handle, so one client asking for many budgets cannot lock later clients out.
+
+The registry makes a budget's plan with the `allocate` function it is handed (allocmoe.allocate,
+wired by the command line): the server stands beside calibration, not above it, and imports none of it.
 """
 
 from __future__ import annotations
 
-import re
 import threading
 from collections import OrderedDict
 from dataclasses import replace
@@ -20,10 +22,14 @@ from typing import Any, Callable
 from ..routing.apply import PlanHandle, apply_plans, static_plan
 from ..core.budget import Budget
 from ..errors import AllocMoeError
-from ..core.plan import Plan, model_fingerprint
+from ..core.plan import PLAN_NAME, Plan
+from ..routing.layout import check_plan, model_fingerprint
 from ..core.policies import AllocT
+from .protocol import PROFILE_METHODS
 
-PLAN_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+# makes the plan for a requested budget: allocmoe.allocate, or any function called as it is called here,
+# allocate(budget, method, profile=PROFILE or None, model=MODEL, config={"progress": False}) -> Plan
+Allocate = Callable[..., Plan]
 
 
 class UnknownPlan(AllocMoeError):
@@ -38,8 +44,9 @@ def per_sequence(plan: Plan) -> Plan:
 class PlanRegistry:
     def __init__(self, model, model_name: str, plans: dict[str, Plan] | None = None,
                  profile: dict[str, Any] | None = None, max_budget_plans: int = 32,
-                 on_evict: Callable[[str], None] = lambda name: None):
+                 on_evict: Callable[[str], None] = lambda name: None, allocate: Allocate | None = None):
         self.model, self.model_name, self.profile = model, model_name, profile
+        self.allocate = allocate            # None: a request for a budget is refused (plans are named instead)
         self.on_evict = on_evict            # told the name of each budget plan evicted (metrics forget it)
         self.max_budget_plans = max_budget_plans
         self._budget_lru: OrderedDict[str, int] = OrderedDict()   # budget plan name -> index, oldest use first
@@ -58,7 +65,7 @@ class PlanRegistry:
                 raise AllocMoeError(f"plan name {name!r} must be letters, digits, '.', '_' or '-' (at most 64)")
             if name in self._by_name:
                 raise AllocMoeError(f"two plans are named {name!r}; give each --plan NAME=FILE its own name")
-            plan.check_model(model)
+            check_plan(plan, model)
             self._by_name[name] = len(self.plans)
             self.names.append(name)
             self.plans.append(per_sequence(plan))
@@ -111,11 +118,12 @@ class PlanRegistry:
         return index, name
 
     def _for_budget(self, budget: float | str, method: str) -> tuple[int, str]:
-        from ..calibrate.methods import PROFILE_METHODS, allocate
-
         if isinstance(budget, bool):
             raise AllocMoeError("allocmoe.core.budget must be a number or a string such as '1/2'")
         parsed = Budget.parse(str(budget), self.num_layers, self.k_orig)
+        if self.allocate is None:
+            raise AllocMoeError("this server makes no plans for a budget (it was given no allocate function, "
+                                "ServerConfig.allocate); name a plan instead")
         if method in PROFILE_METHODS and self.profile is None:
             raise AllocMoeError(f"a budget with method {method!r} needs a profile: start the server with "
                                 "--profile PROFILE.json, or name a plan instead")
@@ -130,8 +138,8 @@ class PlanRegistry:
                     self._budget_lru.move_to_end(name)
                     return self._held(self._budget_lru[name], name)
                 self._victim()                                  # all slots held: refuse before the work
-            plan = per_sequence(allocate(parsed, method, profile=self.profile, model=self.model,
-                                         config={"progress": False}))    # no bars in a server's log
+            plan = per_sequence(self.allocate(parsed, method, profile=self.profile, model=self.model,
+                                              config={"progress": False}))    # no bars in a server's log
             with self._lock:
                 victim = self._victim()
                 if victim is None:

@@ -23,6 +23,7 @@ MAX_MESSAGES = 10_000       # chat messages in one request, and text parts in al
 # the serving model's context, set by the app around each request: token ids past it are refused unread
 CONTEXT_TOKENS: ContextVar[int | None] = ContextVar("allocmoe_context_tokens", default=None)
 ON_THE_FLY_METHODS = ("alloc-moe", "alloc-l", "alloc-t", "uniform", "ascending", "descending")
+PROFILE_METHODS = ("alloc-moe", "alloc-l")     # of those, the ones that read the server's profile (as in calibrate)
 # OpenAI fields allocmoe does not implement, with the values it accepts for each (logprobs: see below)
 NEUTRAL = {"n": (1,), "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "echo": (False,),
            "best_of": (None, 1), "suffix": (None,), "logit_bias": (None, {})}

@@ -1,5 +1,3 @@
-"""Quality evaluation: token-level perplexity (and, with the [eval] extra, lm-evaluation-harness)."""
-
-from .perplexity import PerplexityConfig, PerplexityResult, evaluate_perplexity, tokenize_windows
-
-__all__ = ["PerplexityConfig", "PerplexityResult", "evaluate_perplexity", "tokenize_windows"]
+"""Quality evaluation of a plan: `evaluate_model` (run.py), lm-evaluation-harness tasks with the
+[eval] extra (harness.py) and paired comparisons (paired.py). Perplexity itself is scored by
+allocmoe.scoring, below calibration and measurement alike."""

@@ -194,10 +194,10 @@ def _register() -> None:
         def __init__(self, pretrained: str = "builtin", plan: str | None = None, **kwargs: Any):
             from ...routing.apply import apply_plan
             from ...models import load_model
-            from ...core.plan import Plan
+            from ...routing.layout import load_plan
 
             model, tokenizer = load_model(None if pretrained == "builtin" else pretrained)
-            self.plan_handle = apply_plan(model, Plan.load(plan, model)) if plan else None
+            self.plan_handle = apply_plan(model, load_plan(plan, model)) if plan else None
             kwargs.pop("tokenizer", None)
             super().__init__(pretrained=model, tokenizer=tokenizer, **kwargs)
 

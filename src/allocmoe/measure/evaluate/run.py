@@ -6,10 +6,11 @@ import os
 from typing import Any
 
 from ...routing.apply import apply_plan, static_plan
-from .perplexity import (PerplexityConfig, check_batch_size, check_decode_batch, evaluate_perplexity, tokenize_windows,
-                         window_len)
+from ...scoring.perplexity import (PerplexityConfig, check_batch_size, check_decode_batch, evaluate_perplexity,
+                                   tokenize_windows, window_len)
 from ...models import inspect_model
-from ...core.plan import Plan, model_fingerprint
+from ...core.plan import Plan
+from ...routing.layout import check_plan, model_fingerprint
 from ...errors import AllocMoeError
 from ...texts import read_text
 
@@ -54,7 +55,7 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
     skeleton = spec.skeleton()
     window = window_len(skeleton, seq_len)
     if plan is not None:
-        plan.check_model(skeleton)
+        check_plan(plan, skeleton)
     if tasks:
         from .harness import check_tasks
 

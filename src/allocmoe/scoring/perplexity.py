@@ -20,8 +20,8 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from ...core.config import check_counts, checked_config, config_class
-from ...errors import AllocMoeError
+from ..core.config import check_counts, checked_config, config_class
+from ..errors import AllocMoeError
 
 MIN_TOKENS = 16
 
@@ -115,7 +115,7 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
                         windows: torch.Tensor | None = None) -> PerplexityResult:
     """Perplexity of `model` (with whatever plan is applied to it) on `text`.
     Pass pre-cut `windows` [N, S] to skip tokenisation when scoring one text many times."""
-    from ...routing.apply import active_handle
+    from ..routing.apply import active_handle
 
     config = checked_config(PerplexityConfig, config)
     check_arguments(model, tokenizer, text, windows)
@@ -154,8 +154,8 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
 def check_arguments(model, tokenizer, text, windows) -> None:
     """evaluate_perplexity's arguments at the door: a loaded model, and either pre-cut windows (a 2-D
     tensor of token ids) or a tokenizer and text."""
-    from ...core.config import check_model_argument, check_tokenizer_argument
-    from ...texts import check_text
+    from ..core.config import check_model_argument, check_tokenizer_argument
+    from ..texts import check_text
 
     check_model_argument("evaluate_perplexity", model)
     if windows is not None:

@@ -39,15 +39,15 @@ import torch
 import transformers
 from tqdm import tqdm
 
-from .. import __version__
+from ..version import __version__
 from ..routing.apply import apply_plan
 from ..core.budget import Budget
 from ..core.config import check_counts, checked_config, config_class
 from ..errors import AllocMoeError, Interrupted
-from .evaluate.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
+from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, json_safe, read_json
 from ..calibrate.methods import METHODS, AllocateConfig, allocate
-from ..core.plan import model_fingerprint
+from ..routing.layout import model_fingerprint
 from ..calibrate.profile import (ProfileConfig, check_ray_fields, load_profile, model_folder, profile_sensitivity,
                                  why_not_resumed, with_weights)
 
@@ -124,7 +124,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     budgets = [Budget.parse(b, num_layers, k_orig) for b in config.budgets]      # fail fast on a bad one
     if config.tasks:
-        from .evaluate.harness import check_tasks
+        from ..measure.evaluate.harness import check_tasks
 
         check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
     seq_len = window_len(model, config.seq_len)
@@ -214,7 +214,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
         **({"ray": pool.provenance()} if pool is not None else {}),
     }
     if output_dir:
-        from .report import write_report, written_together
+        from ..measure.report import write_report, written_together
 
         with written_together(Path(output_dir)) as folder:   # all five files, or none of them
             atomic_write_json(folder / "results.json", results)
@@ -259,7 +259,7 @@ class _RowWork:
         self.eval_windows, self.ppl_config, self.config = eval_windows, ppl_config, config
 
     def tasks(self, model, tokenizer):
-        from .evaluate.harness import run_tasks
+        from ..measure.evaluate.harness import run_tasks
 
         config = self.config
         return run_tasks(model, tokenizer, list(config.tasks), config.num_fewshot, config.task_limit,
