@@ -468,11 +468,12 @@ class Driver:
             self.result["rows"][r[0]] = {"label": r[1], "engine": key, "single": r[2], "batch": r[3], "path": line,
                                          "status": "measured", "samples": samples[r[0]]}
         if group == NAMED_GROUPS[0] and base is None:
-            self.fail_rows([("wrapper_full", "full model via the plugin's wrapper")], key,
+            self.fail_rows([("wrapper_full", "full model: wrapper vs plain")], key,
                            "not measured: needs the plain engine alive beside the plugin's (--engines together)")
         if overhead:
             self.result["rows"]["wrapper_full"] = {
-                "label": "full model via the plugin's wrapper", "engine": key, "baseline_engine": "B",
+                "label": "full model: wrapper vs plain" + (" (eager/compiled)" if self.spec["compile"] else ""),
+                "engine": key, "baseline_engine": "B",
                 "single": None, "batch": [None] * BATCH, "path": line, "status": "measured", "samples": wrapper}
         self.stop(key)
 
@@ -663,7 +664,7 @@ def summarize(row: dict, config: dict, ks: dict) -> dict:
 def table(shape: str, rows: dict, paper: bool) -> str:
     order = (["static_uniform", "static_descending", "static_ascending", "wrapper_full"]
              + [r[0] for r in NAMED_ROWS])
-    head = f"{'plan':36s} {'prefill':>16s} {'decode b1':>16s} {'decode b8':>16s}   ideal p / b1 / b8"
+    head = f"{'plan':44s} {'prefill':>16s} {'decode b1':>16s} {'decode b8':>16s}   ideal p / b1 / b8"
     if paper:
         head += "   paper (H100)"
     lines = [f"{shape}: speedup = baseline time / plan time (median of paired rounds), (% of the ideal gain)",
@@ -677,7 +678,7 @@ def table(shape: str, rows: dict, paper: bool) -> str:
             status = row["status"]
             if status not in notes:
                 notes.append(status)
-            lines.append(f"{row['label']:36s} {status.split(':', 1)[0]} [{notes.index(status) + 1}]")
+            lines.append(f"{row['label']:44s} {status.split(':', 1)[0]} [{notes.index(status) + 1}]")
             continue
         cells, ideals = [], []
         for metric in ("prefill", "decode_b1", "decode_b8"):
@@ -689,7 +690,7 @@ def table(shape: str, rows: dict, paper: bool) -> str:
             gain = f"({m['of_ideal']:.0%})" if m["of_ideal"] is not None else ""
             cells.append(f"{m['speedup']:7.3f}x {gain:>7s}")
             ideals.append(f"{m['ideal']:.2f}" if m["ideal"] else "n/a")
-        line = f"{row['label']:36s} " + " ".join(cells) + "   " + " / ".join(ideals)
+        line = f"{row['label']:44s} " + " ".join(cells) + "   " + " / ".join(ideals)
         if paper and key.startswith("static_uniform"):
             line += f"   {PAPER['prefill']:.2f}x / {PAPER['decode']:.2f}x (prefill / decode)"
         lines.append(line)
