@@ -13,10 +13,10 @@ The plugin reads its plans from the environment when vLLM starts, so one engine 
 between "no plan" and a plan. Each shape therefore runs in one driver process that starts engines
 (each a process of its own, started with its own ALLOCMOE_* variables):
   B   plain vLLM, no ALLOCMOE_* variable: the baseline of the static rows;
-  P   ALLOCMOE_PLANS holding the per-request plans (u50, d50, t50, u33); each configuration is which
-      plan names its requests carry, and requests naming none are its baseline (the full model, through
-      the plugin's routing wrapper). The stand-in (s50) and distinct (x50) plans each get an engine of
-      their own, so that the plugin refusing one refuses only its row;
+  P   ALLOCMOE_PLANS holding the per-request plans (u50, d50, t50, u33, stand-ins s50, distinct x50);
+      each configuration is which plan names its requests carry, and requests naming none are its
+      baseline (the full model, through the plugin's routing wrapper). One engine holds them all:
+      vLLM loads its plugins once per process, so the plugin reads one set of plans per driver;
   S   ALLOCMOE_PLAN=<one static plan> (vLLM's own narrower top_k), timed against B.
 Within an engine, rounds interleave: baseline, configuration A, baseline, configuration B, ... (one
 untimed round first). --engines together (default on a GPU) keeps B alive beside each other engine,
@@ -107,7 +107,9 @@ PLAN_SPECS = {
     "x50": ("distinct 1/2", ("distinct", "0.5")),
     "a50": ("ascending 1/2", ("ascending", "0.5")),          # only for --static ascending
 }
-NAMED_GROUPS = [["u50", "d50", "t50", "u33"], ["s50"], ["x50"]]      # one engine each
+# one engine for every per-request plan: vLLM loads its general plugins once per process, so a second
+# engine started by the same driver would keep the first engine's plan names where requests are checked
+NAMED_GROUPS = [["u50", "d50", "t50", "u33", "s50", "x50"]]
 STATIC = {"uniform": "u50", "descending": "d50", "ascending": "a50"}
 MIX3 = [None, "u50", "u33"] * 2 + [None, "u50"]                      # 3 full, 3 at 1/2, 2 at 1/3
 # rows: key, label, the single request's plan (prefill, decode b1; absent: not measured), b8 plans
