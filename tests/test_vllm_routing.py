@@ -152,3 +152,14 @@ def test_requests_under_different_plans_each_choose_as_alone(routed):
         assert torch.equal(mixed.counts[start:end], alone.counts)
         assert torch.equal(mixed.ids[start:end, :width], alone.ids)
         torch.testing.assert_close(mixed.weights[start:end, :width], alone.weights)
+
+
+@pytest.mark.parametrize("max_experts", [1, 2, 8])
+def test_a_distinct_plans_prompt_tokens_are_each_a_step_as_in_allocmoe(routed, max_experts):
+    adapter, layer, scores, spec = routed
+    policy = DistinctExperts(max_experts)
+    index, keep, weights = allocmoe_choice(adapter, layer, scores, policy, batch_size=1)   # T steps of 1
+    selection = select(spec, scores.logits, [(0, TOKENS, 0)], [policy], [False])           # one prompt
+    num_experts = scores.probs.size(-1)
+    torch.testing.assert_close(dense(selection.ids, selection.weights, kept(selection), num_experts),
+                               dense(index, weights, keep, num_experts), rtol=1e-5, atol=1e-6)

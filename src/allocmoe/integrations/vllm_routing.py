@@ -159,7 +159,9 @@ def _choose_distinct(policy: DistinctExperts, spans: list[tuple[int, int]], cand
         rows = _choose(policy, decode, cand_idx, cand_probs, probs, index, keep, batch_size=decode.numel())
         loaded.append(int(torch.unique(index[rows][keep[rows]]).numel()))
     for start, end in spans:
-        if end - start > 1:
+        if end - start > 1 and policy.max_experts >= cand_idx.size(1):   # a one-token step fits M: all K kept
+            keep[start:end] = True
+        elif end - start > 1:
             _choose(policy, torch.arange(start, end), cand_idx, cand_probs, probs, index, keep, batch_size=1)
     return loaded
 
