@@ -382,7 +382,7 @@ def _route_by_plans(runner, index: int, k_orig: int, state: _State) -> None:
         pending.clear()
         if all_full(selection, k_orig):
             if state.config.stats:
-                _add(state, index, segments, selection.counts, selection.counts.numel() * k_orig)
+                _add(state, index, segments, selection.counts, selection.counts.numel() * k_orig, selection.loaded)
             return native(hidden_states, router_logits, indices_type, input_ids=input_ids)   # vLLM's own, bit for bit
         pending.update(selection=selection, segments=segments, tokens=router_logits.size(0))
         return selection.weights, selection.ids
