@@ -3,7 +3,8 @@
 Installing patches two things per MoE layer, as instance attributes (the class is never edited):
   router.forward   -> score with the family adapter, let the layer's policy pick from each token's
                       top-K_orig (a prefix of it, or for `distinct` the candidates in the step's
-                      chosen set), combine with the family's weights, pad with sentinel E;
+                      chosen set), combine with the family's weights, pad with sentinel E
+                      (routing/router.py: the forward and its pieces; routing/select.py: the selection);
   experts.forward  -> the compacted path in experts.py, which skips the sentinel slots.
 A forward pre-hook on the model reads the attention mask so padding never enters the Alloc-T pool
 or the counts. `PlanHandle.remove()` (or leaving the `with` block) deletes exactly these, restoring
@@ -28,26 +29,18 @@ B = rows (sequences) in the batch, S = tokens per row in the pass (T = B * S).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
-from typing import Callable
-
 import torch
 from torch import nn
 
-from .adapters import MoEAdapter, MoELayer, adapter_for_model
+from .adapters import MoELayer, adapter_for_model
 from ..errors import AllocMoeError
 from .experts import compact_experts_forward
-from .substitute import LayerSubstitute, experts_forward, layer_substitute, substituted
+from .router import LayerStats, Recorder, RoutingContext, router_forward  # noqa: F401  (Recorder: re-exported)
+from .substitute import LayerSubstitute, experts_forward, layer_substitute
 from ..core.plan import Plan
 from .layout import check_plan, model_fingerprint
-from ..core.policies import (AllocT, DistinctExperts, Policy, StaticTopK, distinct_per_step,
-                             expected_alloc_t_activations, prefix_mask, step_count)
+from ..core.policies import DistinctExperts, Policy, StaticTopK
 
-# Called as fn(layer_index, cand_idx [T, K], cand_probs [T, K], counts [T], valid [T]) on every
-# routed pass: each token's ranked candidates, their probabilities, and how many it keeps; the
-# kept ones are the first counts[t]. For the distinct policy, which need not keep a prefix of the
-# ranking, the kept candidates are moved to the front (in rank order, a fallback expert in slot 0).
-Recorder = Callable[[int, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], None]
 _MARK = "_allocmoe_patched"
 _SAVED = "_allocmoe_old_forward"     # under an accelerate hook: the hook's own _old_forward, put back on removal
 _HANDLE = "_allocmoe_handle"        # on the model while a handle is installed: see active_handle()
@@ -55,278 +48,6 @@ _COPIED = ("this model is a copy of a model that had a plan applied (the copy ke
            "still route with the original's modules and count into the original's handle); copy the model "
            "before applying the plan, or clear the copy with `allocmoe.routing.apply.active_handle(copy).remove()` "
            "and apply the plan to it")
-
-
-@dataclass
-class RoutingContext:
-    """What a router cannot see by itself: the current batch's padding mask and batch size."""
-    attention_mask: torch.Tensor | None = None    # [B, S_total] 1 = real token, from the model call
-    batch_size: int = 1
-    recorders: list[Recorder] = field(default_factory=list)
-    row_plans: list[int] | None = None            # per batch row, which installed plan routes it; None = plan 0
-    track_rows: bool = False                      # fill row_activations on every pass (the server's usage)
-    row_activations: torch.Tensor | None = None   # [B] activations per row, summed over the MoE layers of a pass
-    count_steps: bool = False                     # count distinct experts per step under every policy
-    decode_steps: bool = False                    # the [B, S] pass stands for S decode steps: Alloc-T pools per step
-
-    def plan_rows(self) -> dict[int, list[int]]:
-        """Installed plan -> the batch rows it routes in this pass."""
-        if self.row_plans is None:
-            return {0: list(range(self.batch_size))}
-        if len(self.row_plans) != self.batch_size:
-            raise AllocMoeError(f"row_plans names {len(self.row_plans)} rows for a batch of {self.batch_size}")
-        groups: dict[int, list[int]] = {}
-        for row, plan_index in enumerate(self.row_plans):
-            groups.setdefault(plan_index, []).append(row)
-        return groups
-
-    def add_row_activations(self, counts: torch.Tensor, valid: torch.Tensor) -> None:
-        per_row = (counts * valid).reshape(self.batch_size, -1).sum(-1)      # [B]
-        self.row_activations = per_row if self.row_activations is None else self.row_activations + per_row
-
-    def valid_mask(self, num_tokens: int, device) -> torch.Tensor:
-        mask = self.attention_mask
-        if mask is not None and mask.dim() == 2 and num_tokens % mask.size(0) == 0:
-            step_len = num_tokens // mask.size(0)
-            if step_len <= mask.size(1):
-                # a copy even of a bool mask: the distinct policy keeps it until its counts are read
-                # (one copy: `to` lays out the [B, s] column slice densely, so reshape is a view)
-                return mask[:, -step_len:].to(device=device, dtype=torch.bool, copy=True).reshape(-1)   # [T]
-        return torch.ones(num_tokens, dtype=torch.bool, device=device)
-
-
-class LayerStats:
-    """Activations and real tokens one layer has seen, and the distinct experts of its decode steps,
-    kept on the device until read. The distinct policy's passes are kept as they came and summed when
-    read (`folded`) or every FOLD_PASSES passes: summing each pass as it comes took about 20 small
-    tensor operations per layer and decode step, 0.2 ms in a real step on CPU."""
-
-    FOLD_PASSES = 256
-
-    def __init__(self):
-        self.reset()
-
-    def reset(self) -> None:
-        self._passes: list[tuple[torch.Tensor, ...]] = []     # the distinct policy's, not yet summed
-        self.activations = 0
-        self.tokens = 0
-        self.steps = 0                  # decode steps counted (holding at least one real token)
-        self.distinct = 0               # distinct experts summed over those steps
-        self.distinct_max = None        # the most any one step loaded
-        self.chooser_tokens = 0         # real tokens routed by the distinct policy
-        self.top1_outside = 0           # ... whose own top-1 expert was not in the step's chosen set
-
-    def add_steps(self, index: torch.Tensor, valid: torch.Tensor, batch_size: int, num_experts: int) -> None:
-        distinct, real = distinct_per_step(index, valid, batch_size, num_experts)      # [S], [S]
-        self._add_loaded(distinct * real, real.sum())
-
-    def _add_loaded(self, loaded: torch.Tensor, steps: torch.Tensor) -> None:
-        """loaded [S]: the experts each step loaded (0 for a step without real tokens); steps: how
-        many of them count."""
-        most = loaded.max()
-        self.steps = self.steps + steps
-        self.distinct = self.distinct + loaded.sum()
-        self.distinct_max = most if self.distinct_max is None else torch.maximum(self.distinct_max, most)
-
-    def add_distinct(self, keep: torch.Tensor, valid: torch.Tensor, outside: torch.Tensor,
-                     distinct: torch.Tensor) -> None:
-        """A distinct-policy pass: keep [T, K] (padding keeps nothing), valid [T], outside [T] (real
-        tokens whose top-1 was not chosen), distinct [S] (experts each step loaded, as the policy
-        counted them while choosing: 0 for a step without real tokens, at least 1 otherwise)."""
-        self._passes.append((keep, valid, outside, distinct))
-        if len(self._passes) >= self.FOLD_PASSES:
-            self.folded()
-
-    def folded(self) -> "LayerStats":
-        """These counts with every pending distinct-policy pass summed in."""
-        if self._passes:
-            keep, valid, outside, distinct = (torch.cat([p[i].reshape(-1) for p in self._passes])
-                                              for i in range(4))
-            self._passes = []
-            self.activations = self.activations + keep.sum()
-            self.tokens = self.tokens + valid.sum()
-            self.add_top1(outside, valid)
-            self._add_loaded(distinct, (distinct > 0).sum())     # a step with real tokens loads at least 1
-        return self
-
-    def add_top1(self, outside: torch.Tensor, routed: torch.Tensor) -> None:
-        self.chooser_tokens = self.chooser_tokens + routed.sum()
-        self.top1_outside = self.top1_outside + (outside & routed).sum()
-
-    def add(self, counts: torch.Tensor, valid: torch.Tensor) -> None:
-        self.activations = self.activations + (counts * valid).sum()
-        self.tokens = self.tokens + valid.sum()
-
-    def add_uniform(self, k: int, valid: torch.Tensor) -> None:
-        real = valid.sum()
-        self.activations = self.activations + k * real
-        self.tokens = self.tokens + real
-
-
-def _static_k(policy: Policy, valid: torch.Tensor) -> int | None:
-    """The k every token gets when the policy cannot vary it: static top-k, or Alloc-T on a single
-    real token (decode of one sequence), where the pool rule gives k_base + round_half_up(k - k_base)."""
-    if isinstance(policy, StaticTopK):
-        return policy.k
-    if isinstance(policy, AllocT) and valid.numel() == 1 and bool(valid[0]):
-        return expected_alloc_t_activations(policy.k, policy.k_base, 1)
-    return None
-
-
-def _per_step_counts(policy: AllocT, cand_probs: torch.Tensor, valid: torch.Tensor, batch_size: int) -> torch.Tensor:
-    """Alloc-T counts [T] as batched decoding makes them: each step (column) of the [B, S] pass is a
-    pass of its own, pooling its B tokens (pool "batch") or each token alone (pool "sequence")."""
-    num_tokens = cand_probs.size(0)
-    num_steps = step_count(num_tokens, batch_size)
-    if num_steps == 1 or num_tokens % num_steps:
-        return policy.counts(cand_probs, valid, batch_size)
-    order = torch.arange(num_tokens, device=valid.device).view(-1, num_steps).t().reshape(-1)   # [T] step-major
-    pools = num_steps if policy.pool == "batch" else num_tokens
-    counts = torch.empty(num_tokens, dtype=torch.long, device=valid.device)
-    counts[order] = replace(policy, pool="sequence").counts(cand_probs[order], valid[order], pools)
-    return counts
-
-
-Selection = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]
-
-
-def _select(policy: Policy, cand_idx: torch.Tensor, cand_probs: torch.Tensor, probs: torch.Tensor,
-            valid: torch.Tensor, batch_size: int, width: int, decode_steps: bool = False) -> Selection:
-    """One policy over a pass: (index [T, W], keep [T, W], counts [T], top1_outside [T] or None,
-    distinct experts per step [S] or None). Prefix policies keep the first counts[t] of
-    cand_idx[:, :width]; distinct returns its own index and keep (width K), which tokens' top-1
-    fell outside the step's chosen set, and the experts each step loads."""
-    if isinstance(policy, DistinctExperts):
-        index, keep, outside, distinct = policy.select(cand_idx, cand_probs, probs, valid, batch_size)
-        return index, keep, keep.sum(-1), outside, distinct
-    if decode_steps and isinstance(policy, AllocT):
-        counts = _per_step_counts(policy, cand_probs, valid, batch_size)
-    else:
-        counts = policy.counts(cand_probs, valid, batch_size)                          # [T]
-    return cand_idx[:, :width], prefix_mask(counts, width), counts, None, None
-
-
-def _mixed_selection(policies: list[Policy], groups: dict[int, list[int]], cand_idx: torch.Tensor,
-                     cand_probs: torch.Tensor, probs: torch.Tensor, valid: torch.Tensor,
-                     batch_size: int, decode_steps: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None,
-                                               torch.Tensor | None]:
-    """The selection [T, K] when rows follow different plans: each plan's policy decides for its own
-    rows alone (its rows' tokens are its whole pool, or its steps' tokens), as if those rows had been
-    the batch. Also returns top1_outside [T] and the tokens a distinct policy routed (None if none)."""
-    num_tokens, k_orig = cand_idx.shape
-    index, keep = cand_idx.clone(), torch.zeros_like(cand_idx, dtype=torch.bool)   # [T, K]
-    counts = torch.empty(valid.shape, dtype=torch.long, device=valid.device)        # [T]
-    outside = routed = None
-    per_row = num_tokens // batch_size                                              # S
-    for plan_index, rows in groups.items():
-        tokens = _row_tokens(rows, per_row, valid.device)                              # [b*S]
-        index[tokens], keep[tokens], counts[tokens], out, _ = _select(
-            policies[plan_index], cand_idx[tokens], cand_probs[tokens], probs[tokens], valid[tokens], len(rows), k_orig,
-            decode_steps)
-        if out is not None:
-            if outside is None:
-                outside, routed = torch.zeros_like(valid), torch.zeros_like(valid)
-            outside[tokens], routed[tokens] = out, valid[tokens]
-    return index, keep, counts, outside, routed
-
-
-def _kept_first(index: torch.Tensor, keep: torch.Tensor, cand_idx: torch.Tensor, cand_probs: torch.Tensor,
-                probs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """What recorders see of a selection that need not be a prefix: each token's candidates with the
-    kept ones first (in rank order), so its first counts[t] are what it keeps. [T, K] each."""
-    order = (~keep).long().argsort(dim=-1, stable=True)                             # [T, K] kept first
-    own = torch.where(index == cand_idx, cand_probs, probs.gather(-1, index).to(cand_probs.dtype))
-    return index.gather(-1, order), own.gather(-1, order)
-
-
-def _router_forward(adapter: MoEAdapter, layer: MoELayer, policies: list[Policy], k_orig: int,
-                    ctx: RoutingContext, stats: LayerStats, renormalize: bool | None,
-                    means: list[LayerSubstitute | None], pending: dict):
-    """`policies[i]` is this layer's policy under installed plan i (the list grows as plans are added);
-    `means[i]` its substitute's stand-ins for skipped experts, or None. What a substitute adds is left in
-    `pending["extra"]` for the experts' forward (routing/substitute.py) to add to its output."""
-    router, num_experts = layer.router, adapter.num_experts()
-
-    def forward(hidden_states: torch.Tensor, *args, **kwargs):
-        hidden = hidden_states.reshape(-1, hidden_states.shape[-1])           # [T, H]
-        scores = adapter.score(router, hidden)
-        valid = ctx.valid_mask(hidden.size(0), hidden.device)                 # [T]
-        groups = ctx.plan_rows()
-        pending.pop("extra", None)
-        policy = policies[next(iter(groups))] if len(groups) == 1 else None
-        static_k = _static_k(policy, valid) if policy is not None and not ctx.recorders else None
-        sub_means = means[next(iter(groups))] if len(groups) == 1 else None
-        if static_k is not None:                                              # fast path: no per-token counts
-            if static_k < k_orig and sub_means is not None:                   # + substitute for the skipped slots
-                index = scores.ranking.topk(k_orig, dim=-1).indices           # [T, K]
-                full = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
-                pending["extra"] = sub_means.skipped(full[:, static_k:], index[:, static_k:], hidden)   # [T, H]
-                index, weights = index[:, :static_k], full[:, :static_k]     # kept at their full-K weights
-            else:
-                index = scores.ranking.topk(static_k, dim=-1).indices         # [T, k]
-                weights = adapter.combine(router, scores, index, torch.ones_like(index, dtype=torch.bool), renormalize)
-            stats.add_uniform(static_k, valid)
-            if ctx.count_steps:
-                stats.add_steps(index, valid, ctx.batch_size, num_experts)
-            if ctx.track_rows:
-                ctx.add_row_activations(torch.full_like(valid, static_k, dtype=torch.long), valid)
-            return scores.logits, weights, index
-        top = scores.ranking.topk(k_orig, dim=-1)
-        cand_idx = top.indices                                                # [T, K] best first
-        if scores.ranking is scores.probs:                                    # ranked by probability
-            cand_probs = top.values                                           # [T, K], non-increasing
-        else:
-            # [T, K]; made non-increasing along the ranking (the family ranks by another key, as
-            # DeepSeek-V3's bias does), so every prefix policy's choice is a prefix of the ranking
-            cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
-        if policy is not None:
-            # no host sync on counts: the width comes from the policy, not from the counts
-            width = policy.k if isinstance(policy, StaticTopK) else k_orig
-            index, keep, counts, outside, distinct = _select(policy, cand_idx, cand_probs, scores.probs, valid,
-                                                             ctx.batch_size, width, ctx.decode_steps)   # [T, W]
-            routed = valid if outside is not None else None
-        else:
-            distinct = None                                                   # steps shared by several plans
-            index, keep, counts, outside, routed = _mixed_selection(policies, groups, cand_idx, cand_probs,
-                                                                    scores.probs, valid, ctx.batch_size,
-                                                                    ctx.decode_steps)
-        if sub_means is not None:                                             # one plan, with a substitute
-            weights, pending["extra"] = substituted(adapter, router, scores, cand_idx, index, keep, renormalize,
-                                                    sub_means, hidden)       # [T, W], [T, H]
-        else:
-            weights = adapter.combine(router, scores, index, keep, renormalize)   # [T, W]
-            for plan_index, rows in groups.items():                           # mixed plans: rows with a substitute
-                if means[plan_index] is not None:
-                    tokens = _row_tokens(rows, hidden.size(0) // ctx.batch_size, valid.device)
-                    sub_w, extra = substituted(adapter, router, scores, cand_idx, index, keep, renormalize,
-                                               means[plan_index], hidden, tokens)       # extra: [tokens, H]
-                    weights[tokens] = sub_w[tokens].to(weights.dtype)
-                    pending.setdefault("extra", extra.new_zeros(hidden.size(0), extra.size(-1)))[tokens] = extra
-        chosen, index = index, index.masked_fill(~keep, num_experts)         # [T, W] sentinel E where dropped
-        if distinct is not None:                                              # one distinct policy: counted as it chose
-            stats.add_distinct(keep, valid, outside, distinct)
-        else:
-            stats.add(counts, valid)
-            if outside is not None:
-                stats.add_top1(outside, routed)
-            if ctx.count_steps or outside is not None:
-                stats.add_steps(index, valid, ctx.batch_size, num_experts)
-        if ctx.track_rows:
-            ctx.add_row_activations(counts, valid)
-        if ctx.recorders:
-            seen_idx, seen_probs = (cand_idx, cand_probs) if outside is None else \
-                _kept_first(chosen, keep, cand_idx, cand_probs, scores.probs)
-            for record in ctx.recorders:
-                record(layer.index, seen_idx, seen_probs, counts, valid)
-        return scores.logits, weights, index
-
-    return forward
-
-
-def _row_tokens(rows: list[int], per_row: int, device) -> torch.Tensor:
-    """The token positions [len(rows) * S] of batch rows `rows` in a flattened [B, S] pass."""
-    row_idx = torch.tensor(rows, device=device)
-    return (row_idx[:, None] * per_row + torch.arange(per_row, device=device)).reshape(-1)
 
 
 class PlanHandle:
@@ -520,7 +241,7 @@ def apply_plans(model: nn.Module, plans: list[Plan], renormalize: bool | None = 
     means = {layer.index: [layer_substitute(plan, layer) for plan in plans] for layer in layers}
     for layer in layers:
         pending: dict = {}          # the layer's substitute, handed from its router to its experts in a pass
-        _set_forward(layer.router, _router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
+        _set_forward(layer.router, router_forward(adapter, layer, policies[layer.index], k_orig, ctx,
                                                    stats[layer.index], renormalize, means[layer.index], pending))
         _set_forward(layer.experts, experts_forward(layer.experts, pending))
         setattr(layer.router, _MARK, True)
