@@ -1,0 +1,203 @@
+"""The router's own time, old against new, side by side in one run (issue 36, item 2).
+
+Times a MoE layer's patched router forward (scores, selection, weights, counts: everything a plan
+adds before the experts run) and a whole decode step of the model, under one implementation of
+routing/apply.py taken from git (`--baseline`, by default the merge-base with main: the code before
+the router was split into pieces) and the working tree's, in interleaved rounds (ABBA order, so a
+drift in the machine's speed falls on both), and prints each one's median time and new / old.
+
+Cases: decode of 1 and 8 sequences (one token each) and a 256-token prefill, under
+  static     top-3 of 6 in every layer (the router's fast path)
+  alloc-t    Alloc-T k = 3 (per-token counts; a single decode token takes the fast path)
+  mixed      rows alternating top-2 and Alloc-T k = 3.5 (two plans in one pass; B > 1 only)
+  stand-in   the static and the Alloc-T plans with random expert means (stand-ins for skipped experts)
+  distinct   at most 8 distinct experts per decode step (decode of 8 only)
+
+    python benchmarks/router_speed.py [--rounds 7] [--calls 200] [--steps 20] [--threads 1]
+        [--baseline REV] [--output-json FILE]
+
+The step is model(input_ids [B, 1]) without a KV cache (attention over one position), so the
+router's share of it is as large as a decode step's can be on this model.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from machine import cpu_name  # noqa: E402
+
+from allocmoe import load_model  # noqa: E402
+from allocmoe.core.means import ExpertMeans  # noqa: E402
+from allocmoe.core.plan import Plan  # noqa: E402
+from allocmoe.core.policies import AllocT, DistinctExperts, StaticTopK  # noqa: E402
+from allocmoe.routing import apply as new_apply  # noqa: E402
+from allocmoe.routing.adapters import adapter_for_model  # noqa: E402
+from allocmoe.routing.layout import model_fingerprint  # noqa: E402
+from allocmoe.routing.substitute import layer_substitute  # noqa: E402
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def load_baseline(rev: str):
+    """routing/apply.py as of `rev`, imported as allocmoe.routing._apply_baseline (its relative
+    imports resolve inside the working tree's allocmoe.routing)."""
+    text = subprocess.run(["git", "-C", REPO, "show", f"{rev}:src/allocmoe/routing/apply.py"], check=True,
+                          capture_output=True, text=True).stdout
+    path = os.path.join(tempfile.mkdtemp(prefix="router_speed_"), "apply_baseline.py")
+    with open(path, "w") as f:
+        f.write(text)
+    spec = importlib.util.spec_from_file_location("allocmoe.routing._apply_baseline", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def plans_for(model, name: str, with_means: bool) -> list[Plan]:
+    fingerprint = model_fingerprint(model)
+    layers = fingerprint["moe_layers"]
+
+    def plan(policy) -> Plan:
+        out = Plan(model=fingerprint, layers={i: policy for i in layers}, method="bench", budget=0.0)
+        if with_means:
+            gen = torch.Generator().manual_seed(0)
+            out.means = ExpertMeans({i: torch.randn(fingerprint["num_experts"], model.config.hidden_size,
+                                                    generator=gen) * 0.01 for i in layers}, tokens=1)
+        return out
+
+    if name == "static":
+        return [plan(StaticTopK(3))]
+    if name == "alloc-t":
+        return [plan(AllocT(3.0))]
+    if name == "mixed":
+        return [plan(StaticTopK(2)), plan(AllocT(3.5))]
+    return [plan(DistinctExperts(8))]
+
+
+CASES = [  # (label, plan kind, with means, rows, tokens per row)
+    ("decode-1  static", "static", False, 1, 1), ("decode-1  alloc-t", "alloc-t", False, 1, 1),
+    ("decode-1  stand-in static", "static", True, 1, 1),
+    ("decode-8  static", "static", False, 8, 1), ("decode-8  alloc-t", "alloc-t", False, 8, 1),
+    ("decode-8  mixed", "mixed", False, 8, 1), ("decode-8  stand-in static", "static", True, 8, 1),
+    ("decode-8  stand-in alloc-t", "alloc-t", True, 8, 1), ("decode-8  distinct", "distinct", False, 8, 1),
+    ("prefill-256 static", "static", False, 1, 256), ("prefill-256 alloc-t", "alloc-t", False, 1, 256),
+    ("prefill-256 mixed (2x128)", "mixed", False, 2, 128), ("prefill-256 stand-in alloc-t", "alloc-t", True, 1, 256),
+]
+
+
+def layer_forward(module, model, plans: list[Plan], rows: int):
+    """One MoE layer's router forward as `module` builds it, with its context set for `rows` rows."""
+    adapter = adapter_for_model(model)
+    layer = adapter.moe_layers(model)[0]
+    ctx = module.RoutingContext(batch_size=rows)
+    if len(plans) > 1:
+        ctx.row_plans = [r % len(plans) for r in range(rows)]
+    policies = [p.layers[layer.index] for p in plans]
+    means = [layer_substitute(p, layer) for p in plans]
+    build = getattr(module, "router_forward", None) or module._router_forward
+    return build(adapter, layer, policies, adapter.k_orig(), ctx, module.LayerStats(), None, means, {})
+
+
+def time_calls(fn, calls: int) -> float:
+    start = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    return (time.perf_counter() - start) / calls
+
+
+def interleaved(run_old, run_new, rounds: int, calls: int) -> tuple[float, float]:
+    """Median seconds per call of each, over `rounds` rounds in ABBA order."""
+    old, new = [], []
+    run_old(), run_new()                                                    # warm up
+    for r in range(rounds):
+        pair = [(old, run_old), (new, run_new)]
+        for out, run in (pair if r % 2 == 0 else pair[::-1]):
+            out.append(time_calls(run, calls))
+    return statistics.median(old), statistics.median(new)
+
+
+def bench_layer(model, baseline, kind, with_means, rows, per_row, rounds, calls):
+    plans = plans_for(model, kind, with_means)
+    hidden = torch.randn(rows, per_row, model.config.hidden_size, generator=torch.Generator().manual_seed(1))
+    old_fwd, new_fwd = (layer_forward(m, model, plans, rows) for m in (baseline, new_apply))
+    same = [torch.equal(a, b) for a, b in zip(old_fwd(hidden), new_fwd(hidden))]     # logits, weights, index
+    if not all(same):
+        raise SystemExit(f"old and new routers disagree on {kind} (with means: {with_means}): {same}")
+    return interleaved(lambda: old_fwd(hidden), lambda: new_fwd(hidden), rounds, calls)
+
+
+def bench_step(model, baseline, kind, with_means, rows, rounds, steps):
+    plans = plans_for(model, kind, with_means)
+    ids = torch.randint(1, model.config.vocab_size, (rows, 1), generator=torch.Generator().manual_seed(2))
+
+    def runner(module):
+        def run():
+            handle = module.apply_plans(model, plans)
+            if len(plans) > 1:
+                handle.context.row_plans = [r % len(plans) for r in range(rows)]
+            try:
+                for _ in range(steps):
+                    model(input_ids=ids, use_cache=False)
+            finally:
+                handle.remove()
+        return run
+
+    old, new = interleaved(runner(baseline), runner(new_apply), rounds, 1)
+    return old / steps, new / steps
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--baseline", default=None, help="git revision of the old apply.py (default: merge-base "
+                                                         "of HEAD and main)")
+    parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--calls", type=int, default=200, help="router calls per round (decode; prefill: / 8)")
+    parser.add_argument("--steps", type=int, default=20, help="decode steps per round")
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--output-json", default=None)
+    args = parser.parse_args()
+    torch.set_num_threads(args.threads)
+    rev = args.baseline or subprocess.run(["git", "-C", REPO, "merge-base", "HEAD", "main"], check=True,
+                                          capture_output=True, text=True).stdout.strip()
+    baseline = load_baseline(rev)
+    model, _ = load_model()
+    print(f"machine: {cpu_name()}, torch threads {args.threads}; baseline apply.py at {rev[:12]}; built-in model "
+          f"(E={model.config.n_routed_experts}, K={model.config.num_experts_per_tok}, H={model.config.hidden_size}), "
+          f"float32, median of {args.rounds} interleaved rounds")
+    results = []
+    with torch.inference_mode():
+        print(f"\n{'router forward, one MoE layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s}")
+        for label, kind, with_means, rows, per_row in CASES:
+            calls = args.calls if per_row == 1 else max(1, args.calls // 8)
+            old, new = bench_layer(model, baseline, kind, with_means, rows, per_row, args.rounds, calls)
+            results.append({"what": "layer", "case": label, "old_s": old, "new_s": new, "ratio": new / old})
+            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {new / old:8.3f}")
+        print(f"\n{'decode step, whole model (no cache)':34s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}")
+        for label, kind, with_means, rows, per_row in CASES:
+            if per_row != 1:
+                continue
+            old, new = bench_step(model, baseline, kind, with_means, rows, args.rounds, args.steps)
+            results.append({"what": "step", "case": label, "old_s": old, "new_s": new, "ratio": new / old})
+            print(f"{label:34s} {old * 1e3:9.3f} {new * 1e3:9.3f} {new / old:8.3f}")
+    for what in ("layer", "step"):
+        ratios = [r["ratio"] for r in results if r["what"] == what]
+        print(f"geometric mean new/old, {what}: {statistics.geometric_mean(ratios):.3f}")
+    if args.output_json:
+        with open(args.output_json, "w") as f:
+            json.dump({"machine": cpu_name(), "baseline": rev, "threads": args.threads, "rounds": args.rounds,
+                       "results": results}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
