@@ -4,7 +4,8 @@ vLLM hands a MoE layer's router the step's logits for every scheduled token, req
 (`segments`: first token, end, plan index). This module restates the served router (read from the
 vLLM router's own settings: softmax or sigmoid scores, a score correction bias, grouped top-k,
 renormalising, the routed scaling factor), lets each request's policy choose from its tokens' top-K
-candidates (core/policies.py, the same rules as allocmoe's own router), and returns the kept pairs
+candidates by allocmoe's own selection (routing/select.py: `candidates`, `static_k`, `choose`, `kept_first_order`,
+the pieces allocmoe's router runs; the rules are core/policies.py's), and returns the kept pairs
 kept-first, so that `counts[t]` says how many of row t's slots are real:
 
     ids     [T, W]  expert ids, the kept ones first; a dropped slot repeats the row's first id
@@ -21,8 +22,9 @@ from dataclasses import dataclass
 
 import torch
 
-from ..core.policies import DistinctExperts, Policy, StaticTopK, prefix_mask
+from ..core.policies import DistinctExperts, Policy
 from ..errors import AllocMoeError
+from ..routing.select import candidates, choose, kept_first_order, static_k
 
 Segment = tuple[int, int, int]          # (first token, end, plan index) of one request in the step
 
@@ -96,10 +98,8 @@ def select(spec: RouterSpec, logits: torch.Tensor, segments: list[Segment], poli
            with_means: list[bool]) -> Selection:
     """Each request's tokens choose by their plan's policy (`policies[plan index]`); Alloc-T pools
     over the request's tokens in the step. `with_means[i]`: plan i adds stand-ins for what it skips."""
-    ranking, probs, gates = spec.scores(logits)
-    top = ranking.topk(spec.k_orig, dim=-1)
-    cand_idx = top.indices                                                   # [T, K] best first
-    cand_probs = probs.gather(-1, cand_idx).cummin(-1).values                # [T, K] non-increasing
+    ranking, probs, gates = spec.scores(logits)                              # [T, E] each
+    cand_idx, cand_probs = candidates(ranking, probs, spec.k_orig)           # [T, K] best first, non-increasing
     num_tokens, k_orig = cand_idx.shape
     index, keep = cand_idx.clone(), torch.zeros_like(cand_idx, dtype=torch.bool)
     loaded: list[int] | None = None
@@ -108,14 +108,9 @@ def select(spec: RouterSpec, logits: torch.Tensor, segments: list[Segment], poli
         if isinstance(policy, DistinctExperts):
             loaded = (loaded or []) + _choose_distinct(policy, spans, cand_idx, cand_probs, probs, index, keep)
             continue
-        for start, end in spans:
-            if isinstance(policy, StaticTopK):
-                keep[start:end, :policy.k] = True
-                continue
-            valid = torch.ones(end - start, dtype=torch.bool)
-            counts = policy.counts(cand_probs[start:end], valid, 1)          # one request: its own pool
-            keep[start:end] = prefix_mask(counts, k_orig)
-    order = (~keep).to(torch.int8).argsort(dim=-1, stable=True)            # [T, K] kept first, in rank order
+        for start, end in spans:                                             # one request: its own pool
+            _choose(policy, slice(start, end), end - start, cand_idx, cand_probs, probs, index, keep, batch_size=1)
+    order = kept_first_order(keep)                                           # [T, K] kept first, in rank order
     index, keep = index.gather(-1, order), keep.gather(-1, order)
     counts = keep.sum(-1)                                                    # [T]
     width = max(int(counts.max()), 1) if num_tokens else 1
@@ -156,20 +151,31 @@ def _choose_distinct(policy: DistinctExperts, spans: list[tuple[int, int]], cand
     decode = torch.tensor([start for start, end in spans if end - start == 1], dtype=torch.long)   # [D]
     loaded = []
     if decode.numel():
-        rows = _choose(policy, decode, cand_idx, cand_probs, probs, index, keep, batch_size=decode.numel())
-        loaded.append(int(torch.unique(index[rows][keep[rows]]).numel()))
+        _choose(policy, decode, decode.numel(), cand_idx, cand_probs, probs, index, keep, batch_size=decode.numel())
+        loaded.append(int(torch.unique(index[decode][keep[decode]]).numel()))
     for start, end in spans:
         if end - start > 1 and policy.max_experts >= cand_idx.size(1):   # a one-token step fits M: all K kept
             keep[start:end] = True
         elif end - start > 1:
-            _choose(policy, torch.arange(start, end), cand_idx, cand_probs, probs, index, keep, batch_size=1)
+            _choose(policy, slice(start, end), end - start, cand_idx, cand_probs, probs, index, keep, batch_size=1)
     return loaded
 
 
-def _choose(policy, rows, cand_idx, cand_probs, probs, index, keep, batch_size: int) -> torch.Tensor:
-    valid = torch.ones(rows.numel(), dtype=torch.bool)
-    index[rows], keep[rows], _, _ = policy.select(cand_idx[rows], cand_probs[rows], probs[rows], valid, batch_size)
-    return rows
+def _choose(policy: Policy, rows, num_rows: int, cand_idx: torch.Tensor, cand_probs: torch.Tensor,
+            probs: torch.Tensor, index: torch.Tensor, keep: torch.Tensor, batch_size: int) -> None:
+    """`policy` over the tokens `rows` (a slice or positions, num_rows of them, all real) as a pass of
+    `batch_size` sequences, by allocmoe's own selection (routing/select.py: one k for every token
+    where the policy cannot vary it, as allocmoe's router's fast path, else `choose`); writes the
+    choice into index / keep [T, K] (index only where the policy may keep a non-prefix: distinct)."""
+    valid = torch.ones(num_rows, dtype=torch.bool)
+    k = static_k(policy, valid)
+    if k is not None:
+        keep[rows, :k] = True
+        return
+    part = choose(policy, cand_idx[rows], cand_probs[rows], probs[rows], valid, batch_size, cand_idx.size(1))
+    keep[rows] = part.keep
+    if isinstance(policy, DistinctExperts):
+        index[rows] = part.index
 
 
 def all_full(selection: Selection, k_orig: int) -> bool:
