@@ -4,7 +4,8 @@ Times a MoE layer's patched router forward (scores, selection, weights, counts: 
 adds before the experts run) and a whole decode step of the model, under one implementation of
 routing/apply.py taken from git (`--baseline`, by default the merge-base with main: the code before
 the router was split into pieces) and the working tree's, in interleaved rounds (ABBA order, so a
-drift in the machine's speed falls on both), and prints each one's median time and new / old.
+drift in the machine's speed falls on both), and prints each one's median time and the median of the
+rounds' new / old.
 
 Cases: decode of 1 and 8 sequences (one token each) and a 256-token prefill, under
   static     top-3 of 6 in every layer (the router's fast path)
@@ -41,6 +42,7 @@ from allocmoe import load_model  # noqa: E402
 from allocmoe.core.means import ExpertMeans  # noqa: E402
 from allocmoe.core.plan import Plan  # noqa: E402
 from allocmoe.core.policies import AllocT, DistinctExperts, StaticTopK  # noqa: E402
+from allocmoe.integrations import vllm_routing as new_vllm  # noqa: E402
 from allocmoe.routing import apply as new_apply  # noqa: E402
 from allocmoe.routing.adapters import adapter_for_model  # noqa: E402
 from allocmoe.routing.layout import model_fingerprint  # noqa: E402
@@ -49,15 +51,16 @@ from allocmoe.routing.substitute import layer_substitute  # noqa: E402
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def load_baseline(rev: str):
-    """routing/apply.py as of `rev`, imported as allocmoe.routing._apply_baseline (its relative
-    imports resolve inside the working tree's allocmoe.routing)."""
-    text = subprocess.run(["git", "-C", REPO, "show", f"{rev}:src/allocmoe/routing/apply.py"], check=True,
+def load_baseline(rev: str, module: str = "routing/apply.py"):
+    """src/allocmoe/<module> as of `rev`, imported beside the working tree's (as allocmoe.routing.
+    _apply_baseline for routing/apply.py), so its relative imports resolve inside the working tree."""
+    text = subprocess.run(["git", "-C", REPO, "show", f"{rev}:src/allocmoe/{module}"], check=True,
                           capture_output=True, text=True).stdout
-    path = os.path.join(tempfile.mkdtemp(prefix="router_speed_"), "apply_baseline.py")
+    package, name = module[:-3].rsplit("/", 1)
+    path = os.path.join(tempfile.mkdtemp(prefix="router_speed_"), f"{name}_baseline.py")
     with open(path, "w") as f:
         f.write(text)
-    spec = importlib.util.spec_from_file_location("allocmoe.routing._apply_baseline", path)
+    spec = importlib.util.spec_from_file_location(f"allocmoe.{package}._{name}_baseline", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
@@ -116,15 +119,16 @@ def time_calls(fn, calls: int) -> float:
     return (time.perf_counter() - start) / calls
 
 
-def interleaved(run_old, run_new, rounds: int, calls: int) -> tuple[float, float]:
-    """Median seconds per call of each, over `rounds` rounds in ABBA order."""
+def interleaved(run_old, run_new, rounds: int, calls: int) -> tuple[float, float, float]:
+    """(old, new) median seconds per call over `rounds` rounds in ABBA order, and the median of the
+    rounds' new / old (each round's pair ran side by side: the figure least moved by other load)."""
     old, new = [], []
     run_old(), run_new()                                                    # warm up
     for r in range(rounds):
         pair = [(old, run_old), (new, run_new)]
         for out, run in (pair if r % 2 == 0 else pair[::-1]):
             out.append(time_calls(run, calls))
-    return statistics.median(old), statistics.median(new)
+    return statistics.median(old), statistics.median(new), statistics.median(n / o for o, n in zip(old, new))
 
 
 def bench_layer(model, baseline, kind, with_means, rows, per_row, rounds, calls):
@@ -153,8 +157,36 @@ def bench_step(model, baseline, kind, with_means, rows, rounds, steps):
                 handle.remove()
         return run
 
-    old, new = interleaved(runner(baseline), runner(new_apply), rounds, 1)
-    return old / steps, new / steps
+    old, new, ratio = interleaved(runner(baseline), runner(new_apply), rounds, 1)
+    return old / steps, new / steps, ratio
+
+
+VLLM_CASES = [  # (label, plan kind, with means, requests, tokens per request)
+    ("decode-8  static", "static", False, 8, 1), ("decode-8  alloc-t", "alloc-t", False, 8, 1),
+    ("decode-8  mixed", "mixed", False, 8, 1), ("decode-8  stand-in alloc-t", "alloc-t", True, 8, 1),
+    ("decode-8  distinct", "distinct", False, 8, 1), ("prefill-256 alloc-t", "alloc-t", False, 1, 256),
+    ("prefill-256 distinct", "distinct", False, 1, 256),
+]
+
+
+def bench_vllm(model, baseline, kind, with_means, requests, per_request, rounds, calls):
+    """The vLLM plugin's selection of one layer's step (integrations/vllm_routing.py: select), old and new."""
+    policies = [p.layers[model_fingerprint(model)["moe_layers"][0]] for p in plans_for(model, kind, False)]
+    if kind == "distinct":
+        policies = [DistinctExperts(4)]                                   # below K: prompts choose too
+    k_orig, num_experts = model.config.num_experts_per_tok, model.config.n_routed_experts
+    logits = torch.randn(requests * per_request, num_experts, generator=torch.Generator().manual_seed(3))
+    segments = [(r * per_request, (r + 1) * per_request, r % len(policies)) for r in range(requests)]
+    with_means = [with_means] * len(policies)
+    runs = []
+    for module in (baseline, new_vllm):
+        spec = module.RouterSpec(k_orig, "softmax", False)
+        runs.append(lambda m=module, spec=spec: m.select(spec, logits, segments, policies, with_means))
+    a, b = runs[0](), runs[1]()
+    if not (torch.equal(a.ids, b.ids) and torch.equal(a.weights, b.weights) and torch.equal(a.counts, b.counts)
+            and a.loaded == b.loaded):
+        raise SystemExit(f"old and new vLLM selections disagree on {kind}")
+    return interleaved(runs[0], runs[1], rounds, calls)
 
 
 def main() -> None:
@@ -166,11 +198,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="decode steps per round")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--skip-steps", action="store_true", help="time the router alone (the steps take longest)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     rev = args.baseline or subprocess.run(["git", "-C", REPO, "merge-base", "HEAD", "main"], check=True,
                                           capture_output=True, text=True).stdout.strip()
     baseline = load_baseline(rev)
+    vllm_baseline = load_baseline(rev, "integrations/vllm_routing.py")
     model, _ = load_model()
     print(f"machine: {cpu_name()}, torch threads {args.threads}; baseline apply.py at {rev[:12]}; built-in model "
           f"(E={model.config.n_routed_experts}, K={model.config.num_experts_per_tok}, H={model.config.hidden_size}), "
@@ -180,19 +214,27 @@ def main() -> None:
         print(f"\n{'router forward, one MoE layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s}")
         for label, kind, with_means, rows, per_row in CASES:
             calls = args.calls if per_row == 1 else max(1, args.calls // 8)
-            old, new = bench_layer(model, baseline, kind, with_means, rows, per_row, args.rounds, calls)
-            results.append({"what": "layer", "case": label, "old_s": old, "new_s": new, "ratio": new / old})
-            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {new / old:8.3f}")
+            old, new, ratio = bench_layer(model, baseline, kind, with_means, rows, per_row, args.rounds, calls)
+            results.append({"what": "layer", "case": label, "old_s": old, "new_s": new, "ratio": ratio})
+            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f}")
         print(f"\n{'decode step, whole model (no cache)':34s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}")
         for label, kind, with_means, rows, per_row in CASES:
-            if per_row != 1:
+            if per_row != 1 or args.skip_steps:
                 continue
-            old, new = bench_step(model, baseline, kind, with_means, rows, args.rounds, args.steps)
-            results.append({"what": "step", "case": label, "old_s": old, "new_s": new, "ratio": new / old})
-            print(f"{label:34s} {old * 1e3:9.3f} {new * 1e3:9.3f} {new / old:8.3f}")
-    for what in ("layer", "step"):
+            old, new, ratio = bench_step(model, baseline, kind, with_means, rows, args.rounds, args.steps)
+            results.append({"what": "step", "case": label, "old_s": old, "new_s": new, "ratio": ratio})
+            print(f"{label:34s} {old * 1e3:9.3f} {new * 1e3:9.3f} {ratio:8.3f}")
+        print(f"\n{'vLLM plugin selection, one layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s}")
+        for label, kind, with_means, requests, per_request in VLLM_CASES:
+            calls = args.calls if per_request == 1 else max(1, args.calls // 8)
+            old, new, ratio = bench_vllm(model, vllm_baseline, kind, with_means, requests, per_request, args.rounds,
+                                         calls)
+            results.append({"what": "vllm", "case": label, "old_s": old, "new_s": new, "ratio": ratio})
+            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f}")
+    for what in ("layer", "step", "vllm"):
         ratios = [r["ratio"] for r in results if r["what"] == what]
-        print(f"geometric mean new/old, {what}: {statistics.geometric_mean(ratios):.3f}")
+        if ratios:
+            print(f"geometric mean new/old, {what}: {statistics.geometric_mean(ratios):.3f}")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"machine": cpu_name(), "baseline": rev, "threads": args.threads, "rounds": args.rounds,

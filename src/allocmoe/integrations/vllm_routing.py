@@ -27,6 +27,7 @@ from ..errors import AllocMoeError
 from ..routing.select import candidates, choose, kept_first_order, static_k
 
 Segment = tuple[int, int, int]          # (first token, end, plan index) of one request in the step
+_ONE_REAL = torch.ones(1, dtype=torch.bool)     # valid [1] of a decode request: made once, not per request and layer
 
 
 @dataclass(frozen=True)
@@ -167,7 +168,7 @@ def _choose(policy: Policy, rows, num_rows: int, cand_idx: torch.Tensor, cand_pr
     `batch_size` sequences, by allocmoe's own selection (routing/select.py: one k for every token
     where the policy cannot vary it, as allocmoe's router's fast path, else `choose`); writes the
     choice into index / keep [T, K] (index only where the policy may keep a non-prefix: distinct)."""
-    valid = torch.ones(num_rows, dtype=torch.bool)
+    valid = _ONE_REAL if num_rows == 1 else torch.ones(num_rows, dtype=torch.bool)      # [rows], read only
     k = static_k(policy, valid)
     if k is not None:
         keep[rows, :k] = True
