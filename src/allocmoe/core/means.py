@@ -2,7 +2,7 @@
 
 A plan made with `substitute` carries, per MoE layer, each routed expert's mean output over the
 calibration tokens whose top-K_orig held it, measured on the unmodified model (MoNE, arXiv
-2507.00390; calibrate/means.py measures them, routing/apply.py adds them). With a rank r > 0 it
+2507.00390; calibrate/means.py measures them, routing/router.py adds them). With a rank r > 0 it
 also carries a rank-r linear term fitted by least squares on the same tokens, so a skipped expert
 is stood in for by an affine map of the token instead of a constant:
     f_e(x) ~ mean_e + ((x - input_mean_e) @ down_e) @ up_e

@@ -4,7 +4,7 @@ A plan with means (`plan.means`, core/means.py) keeps its experts at the weights
 them (for renormalising routers, normalised over the original top-K_orig, not the kept set) and adds,
 per token, the sum over its skipped top-K_orig candidates of weight x that expert's stand-in: its
 calibrated mean output, plus with a rank-r linear term ((x - input_mean) @ down) @ up. The router's
-forward (routing/apply.py) computes it and leaves it in the layer's `pending` dict; the experts'
+forward (routing/router.py) computes it and leaves it in the layer's `pending` dict; the experts'
 forward here adds it to their output in the same pass.
 
 The stand-in is affine in x, so it is kept folded: offset_e = mean_e - (input_mean_e @ down_e) @ up_e,
