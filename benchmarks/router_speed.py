@@ -4,7 +4,8 @@ Times a MoE layer's patched router forward (scores, selection, weights, counts: 
 adds before the experts run) and a whole decode step of the model, under one implementation of
 routing/apply.py taken from git (`--baseline`, by default the merge-base with main: the code before
 the router was split into pieces) and the working tree's, in interleaved rounds (ABBA order, so a
-drift in the machine's speed falls on both), and prints each one's median time and the median of the
+drift in the machine's speed falls on both), checks that both run the same aten operations in the
+same order (then a gap in time is Python's alone), and prints each one's median time and the median of the
 rounds' new / old.
 
 Cases: decode of 1 and 8 sequences (one token each) and a 256-token prefill, under
@@ -17,7 +18,9 @@ Cases: decode of 1 and 8 sequences (one token each) and a 256-token prefill, und
     python benchmarks/router_speed.py [--rounds 7] [--calls 200] [--steps 20] [--threads 1]
         [--baseline REV] [--output-json FILE]
 
-The step is model(input_ids [B, 1]) without a KV cache (attention over one position), so the
+With one thread the clock is the thread's CPU time (`--clock cpu`), so that other work on a shared
+machine, which takes the CPU away between calls, does not count; the ratio is the median over rounds
+of each round's new / old. The step is model(input_ids [B, 1]) without a KV cache (attention over one position), so the
 router's share of it is as large as a decode step's can be on this model.
 """
 
@@ -112,23 +115,56 @@ def layer_forward(module, model, plans: list[Plan], rows: int):
     return build(adapter, layer, policies, adapter.k_orig(), ctx, module.LayerStats(), None, means, {})
 
 
+CLOCK = time.perf_counter
+
+
 def time_calls(fn, calls: int) -> float:
-    start = time.perf_counter()
+    start = CLOCK()
     for _ in range(calls):
         fn()
-    return (time.perf_counter() - start) / calls
+    return (CLOCK() - start) / calls
 
 
-def interleaved(run_old, run_new, rounds: int, calls: int) -> tuple[float, float, float]:
-    """(old, new) median seconds per call over `rounds` rounds in ABBA order, and the median of the
-    rounds' new / old (each round's pair ran side by side: the figure least moved by other load)."""
+def interleaved(run_old, run_new, rounds: int, calls: int) -> tuple[float, float, float, float]:
+    """(old, new) median seconds per call over `rounds` rounds in ABBA order, the median of the
+    rounds' new / old (each round's pair ran side by side) and the ratio of the fastest rounds (the
+    one least moved by other load on a shared machine)."""
     old, new = [], []
     run_old(), run_new()                                                    # warm up
     for r in range(rounds):
         pair = [(old, run_old), (new, run_new)]
         for out, run in (pair if r % 2 == 0 else pair[::-1]):
             out.append(time_calls(run, calls))
-    return statistics.median(old), statistics.median(new), statistics.median(n / o for o, n in zip(old, new))
+    return (statistics.median(old), statistics.median(new), statistics.median(n / o for o, n in zip(old, new)),
+            min(new) / min(old))
+
+
+class _OpLog:
+    """The aten operations a call runs, in order (a TorchDispatchMode, made on first use)."""
+
+    def __new__(cls):
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class Log(TorchDispatchMode):
+            def __init__(self):
+                super().__init__()
+                self.ops: list[str] = []
+
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                self.ops.append(str(func))
+                return func(*args, **(kwargs or {}))
+
+        return Log()
+
+
+def same_ops(run_old, run_new) -> bool:
+    """Do both run the same aten operations in the same order? Then any gap in time is Python's."""
+    logs = []
+    for run in (run_old, run_new):
+        with _OpLog() as log:
+            run()
+        logs.append(log.ops)
+    return logs[0] == logs[1]
 
 
 def bench_layer(model, baseline, kind, with_means, rows, per_row, rounds, calls):
@@ -138,7 +174,8 @@ def bench_layer(model, baseline, kind, with_means, rows, per_row, rounds, calls)
     same = [torch.equal(a, b) for a, b in zip(old_fwd(hidden), new_fwd(hidden))]     # logits, weights, index
     if not all(same):
         raise SystemExit(f"old and new routers disagree on {kind} (with means: {with_means}): {same}")
-    return interleaved(lambda: old_fwd(hidden), lambda: new_fwd(hidden), rounds, calls)
+    ops = same_ops(lambda: old_fwd(hidden), lambda: new_fwd(hidden))
+    return (*interleaved(lambda: old_fwd(hidden), lambda: new_fwd(hidden), rounds, calls), ops)
 
 
 def bench_step(model, baseline, kind, with_means, rows, rounds, steps):
@@ -157,8 +194,8 @@ def bench_step(model, baseline, kind, with_means, rows, rounds, steps):
                 handle.remove()
         return run
 
-    old, new, ratio = interleaved(runner(baseline), runner(new_apply), rounds, 1)
-    return old / steps, new / steps, ratio
+    old, new, ratio, fastest = interleaved(runner(baseline), runner(new_apply), rounds, 1)
+    return old / steps, new / steps, ratio, fastest
 
 
 VLLM_CASES = [  # (label, plan kind, with means, requests, tokens per request)
@@ -198,43 +235,54 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=20, help="decode steps per round")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--output-json", default=None)
+    parser.add_argument("--clock", choices=["wall", "cpu"], default="cpu",
+                        help="cpu (default): this thread's CPU time, which time spent descheduled on a shared "
+                             "machine does not inflate; wall: perf_counter")
     parser.add_argument("--skip-steps", action="store_true", help="time the router alone (the steps take longest)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    global CLOCK
+    CLOCK = time.thread_time if args.clock == "cpu" and args.threads == 1 else time.perf_counter
     rev = args.baseline or subprocess.run(["git", "-C", REPO, "merge-base", "HEAD", "main"], check=True,
                                           capture_output=True, text=True).stdout.strip()
     baseline = load_baseline(rev)
     vllm_baseline = load_baseline(rev, "integrations/vllm_routing.py")
     model, _ = load_model()
-    print(f"machine: {cpu_name()}, torch threads {args.threads}; baseline apply.py at {rev[:12]}; built-in model "
+    print(f"machine: {cpu_name()}, torch threads {args.threads}, clock {CLOCK.__name__}; baseline apply.py at {rev[:12]}; built-in model "
           f"(E={model.config.n_routed_experts}, K={model.config.num_experts_per_tok}, H={model.config.hidden_size}), "
           f"float32, median of {args.rounds} interleaved rounds")
     results = []
     with torch.inference_mode():
-        print(f"\n{'router forward, one MoE layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s}")
+        print(f"\n{'router forward, one MoE layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s} {'fastest':>8s}  same aten ops")
         for label, kind, with_means, rows, per_row in CASES:
             calls = args.calls if per_row == 1 else max(1, args.calls // 8)
-            old, new, ratio = bench_layer(model, baseline, kind, with_means, rows, per_row, args.rounds, calls)
-            results.append({"what": "layer", "case": label, "old_s": old, "new_s": new, "ratio": ratio})
-            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f}")
-        print(f"\n{'decode step, whole model (no cache)':34s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s}")
+            old, new, ratio, fastest, ops = bench_layer(model, baseline, kind, with_means, rows, per_row, args.rounds,
+                                                        calls)
+            results.append({"what": "layer", "case": label, "old_s": old, "new_s": new, "ratio": ratio,
+                            "fastest_ratio": fastest, "same_ops": ops})
+            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f} {fastest:8.3f}  {'yes' if ops else 'NO'}")
+        print(f"\n{'decode step, whole model (no cache)':34s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} {'fastest':>8s}")
         for label, kind, with_means, rows, per_row in CASES:
             if per_row != 1 or args.skip_steps:
                 continue
-            old, new, ratio = bench_step(model, baseline, kind, with_means, rows, args.rounds, args.steps)
-            results.append({"what": "step", "case": label, "old_s": old, "new_s": new, "ratio": ratio})
-            print(f"{label:34s} {old * 1e3:9.3f} {new * 1e3:9.3f} {ratio:8.3f}")
-        print(f"\n{'vLLM plugin selection, one layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s}")
+            old, new, ratio, fastest = bench_step(model, baseline, kind, with_means, rows, args.rounds, args.steps)
+            results.append({"what": "step", "case": label, "old_s": old, "new_s": new, "ratio": ratio,
+                            "fastest_ratio": fastest})
+            print(f"{label:34s} {old * 1e3:9.3f} {new * 1e3:9.3f} {ratio:8.3f} {fastest:8.3f}")
+        print(f"\n{'vLLM plugin selection, one layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s} {'fastest':>8s}")
         for label, kind, with_means, requests, per_request in VLLM_CASES:
             calls = args.calls if per_request == 1 else max(1, args.calls // 8)
-            old, new, ratio = bench_vllm(model, vllm_baseline, kind, with_means, requests, per_request, args.rounds,
-                                         calls)
-            results.append({"what": "vllm", "case": label, "old_s": old, "new_s": new, "ratio": ratio})
-            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f}")
+            old, new, ratio, fastest = bench_vllm(model, vllm_baseline, kind, with_means, requests, per_request,
+                                                  args.rounds, calls)
+            results.append({"what": "vllm", "case": label, "old_s": old, "new_s": new, "ratio": ratio,
+                            "fastest_ratio": fastest})
+            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f} {fastest:8.3f}")
     for what in ("layer", "step", "vllm"):
         ratios = [r["ratio"] for r in results if r["what"] == what]
+        fastest = [r["fastest_ratio"] for r in results if r["what"] == what]
         if ratios:
-            print(f"geometric mean new/old, {what}: {statistics.geometric_mean(ratios):.3f}")
+            print(f"geometric mean new/old, {what}: {statistics.geometric_mean(ratios):.3f} (median of rounds), "
+                  f"{statistics.geometric_mean(fastest):.3f} (fastest rounds)")
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"machine": cpu_name(), "baseline": rev, "threads": args.threads, "rounds": args.rounds,
