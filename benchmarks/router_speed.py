@@ -226,6 +226,40 @@ def bench_vllm(model, baseline, kind, with_means, requests, per_request, rounds,
     return interleaved(runs[0], runs[1], rounds, calls)
 
 
+def report(results: list[dict], what: str, case: str, unit: float, old, new, ratio, fastest, ops=None) -> None:
+    """Print one row (times in 1 / unit seconds) and keep it for --output-json."""
+    results.append({"what": what, "case": case, "old_s": old, "new_s": new, "ratio": ratio, "fastest_ratio": fastest,
+                    **({"same_ops": ops} if ops is not None else {})})
+    same = "" if ops is None else ("  yes" if ops else "  NO")
+    print(f"{case:34s} {old * unit:9.2f} {new * unit:9.2f} {ratio:8.3f} {fastest:8.3f}{same}")
+
+
+def header(title: str, unit: str, extra: str = "") -> None:
+    print(f"\n{title:34s} {'old ' + unit:>9s} {'new ' + unit:>9s} {'new/old':>8s} {'fastest':>8s}{extra}")
+
+
+def run_all(model, baseline, vllm_baseline, args) -> list[dict]:
+    """Every case, old against new: the router per layer, the decode step, the vLLM plugin's selection."""
+    results: list[dict] = []
+    header("router forward, one MoE layer", "us", "  same aten ops")
+    for label, kind, with_means, rows, per_row in CASES:
+        calls = args.calls if per_row == 1 else max(1, args.calls // 8)
+        *times, ops = bench_layer(model, baseline, kind, with_means, rows, per_row, args.rounds, calls)
+        report(results, "layer", label, 1e6, *times, ops)
+    if not args.skip_steps:
+        header("decode step, whole model (no cache)", "ms")
+        for label, kind, with_means, rows, per_row in CASES:
+            if per_row == 1:
+                report(results, "step", label, 1e3, *bench_step(model, baseline, kind, with_means, rows, args.rounds,
+                                                                 args.steps))
+    header("vLLM plugin selection, one layer", "us")
+    for label, kind, with_means, requests, per_request in VLLM_CASES:
+        calls = args.calls if per_request == 1 else max(1, args.calls // 8)
+        report(results, "vllm", label, 1e6, *bench_vllm(model, vllm_baseline, kind, with_means, requests, per_request,
+                                                         args.rounds, calls))
+    return results
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--baseline", default=None, help="git revision of the old apply.py (default: merge-base "
@@ -245,38 +279,13 @@ def main() -> None:
     CLOCK = time.thread_time if args.clock == "cpu" and args.threads == 1 else time.perf_counter
     rev = args.baseline or subprocess.run(["git", "-C", REPO, "merge-base", "HEAD", "main"], check=True,
                                           capture_output=True, text=True).stdout.strip()
-    baseline = load_baseline(rev)
-    vllm_baseline = load_baseline(rev, "integrations/vllm_routing.py")
+    baseline, vllm_baseline = load_baseline(rev), load_baseline(rev, "integrations/vllm_routing.py")
     model, _ = load_model()
-    print(f"machine: {cpu_name()}, torch threads {args.threads}, clock {CLOCK.__name__}; baseline apply.py at {rev[:12]}; built-in model "
-          f"(E={model.config.n_routed_experts}, K={model.config.num_experts_per_tok}, H={model.config.hidden_size}), "
-          f"float32, median of {args.rounds} interleaved rounds")
-    results = []
+    print(f"machine: {cpu_name()}, torch threads {args.threads}, clock {CLOCK.__name__}; baseline at {rev[:12]}; "
+          f"built-in model (E={model.config.n_routed_experts}, K={model.config.num_experts_per_tok}, "
+          f"H={model.config.hidden_size}), float32, {args.rounds} interleaved rounds")
     with torch.inference_mode():
-        print(f"\n{'router forward, one MoE layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s} {'fastest':>8s}  same aten ops")
-        for label, kind, with_means, rows, per_row in CASES:
-            calls = args.calls if per_row == 1 else max(1, args.calls // 8)
-            old, new, ratio, fastest, ops = bench_layer(model, baseline, kind, with_means, rows, per_row, args.rounds,
-                                                        calls)
-            results.append({"what": "layer", "case": label, "old_s": old, "new_s": new, "ratio": ratio,
-                            "fastest_ratio": fastest, "same_ops": ops})
-            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f} {fastest:8.3f}  {'yes' if ops else 'NO'}")
-        print(f"\n{'decode step, whole model (no cache)':34s} {'old ms':>9s} {'new ms':>9s} {'new/old':>8s} {'fastest':>8s}")
-        for label, kind, with_means, rows, per_row in CASES:
-            if per_row != 1 or args.skip_steps:
-                continue
-            old, new, ratio, fastest = bench_step(model, baseline, kind, with_means, rows, args.rounds, args.steps)
-            results.append({"what": "step", "case": label, "old_s": old, "new_s": new, "ratio": ratio,
-                            "fastest_ratio": fastest})
-            print(f"{label:34s} {old * 1e3:9.3f} {new * 1e3:9.3f} {ratio:8.3f} {fastest:8.3f}")
-        print(f"\n{'vLLM plugin selection, one layer':34s} {'old us':>9s} {'new us':>9s} {'new/old':>8s} {'fastest':>8s}")
-        for label, kind, with_means, requests, per_request in VLLM_CASES:
-            calls = args.calls if per_request == 1 else max(1, args.calls // 8)
-            old, new, ratio, fastest = bench_vllm(model, vllm_baseline, kind, with_means, requests, per_request,
-                                                  args.rounds, calls)
-            results.append({"what": "vllm", "case": label, "old_s": old, "new_s": new, "ratio": ratio,
-                            "fastest_ratio": fastest})
-            print(f"{label:34s} {old * 1e6:9.1f} {new * 1e6:9.1f} {ratio:8.3f} {fastest:8.3f}")
+        results = run_all(model, baseline, vllm_baseline, args)
     for what in ("layer", "step", "vllm"):
         ratios = [r["ratio"] for r in results if r["what"] == what]
         fastest = [r["fastest_ratio"] for r in results if r["what"] == what]
@@ -286,7 +295,7 @@ def main() -> None:
     if args.output_json:
         with open(args.output_json, "w") as f:
             json.dump({"machine": cpu_name(), "baseline": rev, "threads": args.threads, "rounds": args.rounds,
-                       "results": results}, f, indent=1)
+                       "clock": CLOCK.__name__, "results": results}, f, indent=1)
 
 
 if __name__ == "__main__":
