@@ -52,6 +52,16 @@ def test_static_k_is_the_one_k_a_policy_cannot_vary():
     assert static_k(TopP(0.5), one) is None and static_k(DistinctExperts(2), one) is None
 
 
+@pytest.mark.parametrize("k_base", [0, 1])
+def test_static_k_of_alloc_t_on_one_token_is_what_its_pool_would_count(k_base):
+    """The fast path (allocmoe's router, and the vLLM plugin's one-token requests) skips the pool."""
+    probs = table(num_tokens=1)
+    _, cand_probs = candidates(probs, probs, 4)
+    one = torch.ones(1, dtype=torch.bool)
+    for k in (1.0, 1.4, 1.5, 2.5, 3.49, 4.0):
+        assert static_k(AllocT(k, k_base=k_base), one) == int(AllocT(k, k_base=k_base).counts(cand_probs, one, 1))
+
+
 def test_choose_keeps_each_prefix_policy_s_prefix():
     cand_probs = torch.tensor([[0.5, 0.3, 0.1, 0.1], [0.9, 0.05, 0.03, 0.02], [0.3, 0.3, 0.2, 0.2]])
     cand_idx = torch.tensor([[3, 1, 0, 2], [0, 1, 2, 3], [2, 3, 1, 0]])
