@@ -163,3 +163,20 @@ def test_a_distinct_plans_prompt_tokens_are_each_a_step_as_in_allocmoe(routed, m
     num_experts = scores.probs.size(-1)
     torch.testing.assert_close(dense(selection.ids, selection.weights, kept(selection), num_experts),
                                dense(index, weights, keep, num_experts), rtol=1e-5, atol=1e-6)
+
+
+def test_one_token_requests_keep_what_their_own_pool_counts(routed):
+    """Decode requests take the router's one-k fast path (routing/select.py: static_k), not the pool."""
+    adapter, layer, scores, spec = routed
+    k_orig = adapter.k_orig()
+    policy = AllocT(0.6 * k_orig + 0.1)
+    selection = select(spec, scores.logits, [(t, t + 1, 0) for t in range(TOKENS)], [policy], [False])
+    cand_idx = scores.ranking.topk(k_orig, dim=-1).indices
+    cand_probs = scores.probs.gather(-1, cand_idx).cummin(-1).values
+    one = torch.ones(1, dtype=torch.bool)
+    expected = torch.cat([policy.counts(cand_probs[t:t + 1], one, 1) for t in range(TOKENS)])
+    assert torch.equal(selection.counts, expected)
+    index, keep, weights = allocmoe_choice(adapter, layer, scores, StaticTopK(int(expected[0])))
+    num_experts = scores.probs.size(-1)
+    torch.testing.assert_close(dense(selection.ids, selection.weights, kept(selection), num_experts),
+                               dense(index, weights, keep, num_experts), rtol=1e-5, atol=1e-6)
