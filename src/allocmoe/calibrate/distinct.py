@@ -59,19 +59,18 @@ from .profile import resumed_cells, with_weights
 PROFILE_KIND = "distinct"
 
 
-@config_class(flags={"calib_max_tokens": "--calib-tokens"})
+@config_class(aliases={"calib_max_tokens": "calib_tokens"})
 class DistinctConfig:
     decode_batch: int = 16          # sequences decoded side by side: the step whose experts the budget bounds
     k_floor: int = 1                # each token's top experts chosen before any others (DistinctExperts)
-    calib_max_tokens: int = 8192    # calibration tokens scored per cell
-    seq_len: int | None = None      # window; None = min(the model's default, calib_max_tokens // decode_batch)
+    calib_tokens: int = 8192        # calibration tokens scored per cell
+    seq_len: int | None = None      # window; None = min(the model's default, calib_tokens // decode_batch)
     m_step: int = 1                 # profile every m_step-th M (1: every M; between them, linear interpolation)
     prefix_cache: bool = True       # each cell starts at its layer from states computed once: same numbers, less work
     progress: bool = True           # progress bar over the cells (stderr)
 
     def __post_init__(self):
-        check_counts(self, {"decode_batch": 1, "k_floor": 1, "calib_max_tokens": 2, "seq_len": 2, "m_step": 1},
-                     {"calib_max_tokens": "--calib-tokens"})
+        check_counts(self, {"decode_batch": 1, "k_floor": 1, "calib_tokens": 2, "seq_len": 2, "m_step": 1})
 
 
 # -- the budget as typed -------------------------------------------------------------------------
@@ -126,12 +125,12 @@ def check_k_floor(k_floor: int, k_orig: int) -> None:
 # -- calibration windows -------------------------------------------------------------------------
 def distinct_seq_len(model, config: DistinctConfig) -> int:
     """The window: `seq_len`, or the longest that still gives `decode_batch` windows from
-    `calib_max_tokens` tokens (at most the model's default)."""
+    `calib_tokens` tokens (at most the model's default)."""
     if config.seq_len is not None:
         return window_len(model, config.seq_len)
-    seq_len = min(default_seq_len(model), config.calib_max_tokens // config.decode_batch)
+    seq_len = min(default_seq_len(model), config.calib_tokens // config.decode_batch)
     if seq_len < 2:
-        raise AllocMoeError(f"--calib-tokens {config.calib_max_tokens} gives fewer than 2 tokens per window at "
+        raise AllocMoeError(f"--calib-tokens {config.calib_tokens} gives fewer than 2 tokens per window at "
                             f"--decode-batch {config.decode_batch}; give at least {2 * config.decode_batch} "
                             "calibration tokens or a smaller --decode-batch")
     return seq_len
@@ -139,7 +138,7 @@ def distinct_seq_len(model, config: DistinctConfig) -> int:
 
 def distinct_windows(model, tokenizer, calib_text: str, config: DistinctConfig) -> torch.Tensor:
     """The calibration windows [N, S], refused when fewer than `decode_batch` (works on a skeleton)."""
-    windows = tokenize_windows(tokenizer, calib_text, distinct_seq_len(model, config), config.calib_max_tokens)
+    windows = tokenize_windows(tokenizer, calib_text, distinct_seq_len(model, config), config.calib_tokens)
     check_decode_batch(windows, config.decode_batch)
     return windows
 
@@ -198,7 +197,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     routed = torch.cat([windows, windows[:fill]]) if fill else windows                 # [N + fill, S]
     calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
                    "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
-                   "top_up_windows": fill, "seq_len": int(windows.size(1)), "max_tokens": config.calib_max_tokens}
+                   "top_up_windows": fill, "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens}
     started = time.time()
     unrestricted, union_mean, union_max = measure_union(model, windows, config.decode_batch)
     if on_union is not None:

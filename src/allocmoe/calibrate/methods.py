@@ -49,14 +49,15 @@ METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "d
 CONFIG_METHODS = ("uniform", "ascending", "descending", "alloc-t")    # the model's config is all they read
 
 
-@config_class(flags={"calib_max_tokens": "--calib-tokens", "lexi_samples": "AllocateConfig.lexi_samples",
+@config_class(aliases={"calib_max_tokens": "calib_tokens", "batch_size": "windows_per_pass"},
+              flags={"lexi_samples": "AllocateConfig.lexi_samples",
                   "seed": "AllocateConfig.seed"})
 class AllocateConfig:
     k_base: int = 1                 # Alloc-T: experts every token keeps (the paper's default, near-best)
     pool: str = "batch"             # Alloc-T pool: "batch" (all tokens of a pass) or "sequence"
-    calib_max_tokens: int = 8192    # calibration tokens for top-p/naee thresholds and auto's trials
+    calib_tokens: int = 8192        # calibration tokens for top-p/naee thresholds and auto's trials
     seq_len: int | None = None      # calibration window; None = min(2048, the model's limit)
-    batch_size: int = 4             # windows per forward pass in calibration
+    windows_per_pass: int = 4       # windows per forward pass in calibration
     lexi_samples: int = 512         # Gaussian inputs per layer for LExI's deviation profile
     seed: int = 0                   # LExI's input seed
     progress: bool = True           # progress bar (stderr) for the methods that run the model: lexi, top-p, naee, auto
@@ -68,7 +69,7 @@ class AllocateConfig:
     def __post_init__(self):        # types are checked by @config_class before this runs
         if self.pool not in ("batch", "sequence"):
             raise AllocMoeError(f"pool (--pool) must be 'batch' or 'sequence', got {self.pool!r}; give one of those")
-        check_counts(self, {"k_base": 0, "calib_max_tokens": 2, "seq_len": 2, "batch_size": 1, "lexi_samples": 1,
+        check_counts(self, {"k_base": 0, "calib_tokens": 2, "seq_len": 2, "windows_per_pass": 1, "lexi_samples": 1,
                             "seed": 0, "refine": 0, "substitute_rank": 0},
                      most={"lexi_samples": 1 << 20, "seed": 2**63 - 1})
 
@@ -165,11 +166,11 @@ class _CandidateRecorder:
 def _calibration_windows(model, tokenizer, calib_text: str | None, config: AllocateConfig) -> torch.Tensor:
     if calib_text is None or tokenizer is None:
         raise AllocMoeError("this method needs calibration text and a tokenizer")
-    default = AllocateConfig.__dataclass_fields__["calib_max_tokens"].default     # "up to": a shorter text is fine
-    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens,
-                               beyond=None if config.calib_max_tokens == default
-                               else "calib_max_tokens (--calib-tokens)")
-    check_batch_size(windows, config.batch_size)
+    default = AllocateConfig.__dataclass_fields__["calib_tokens"].default     # "up to": a shorter text is fine
+    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_tokens,
+                               beyond=None if config.calib_tokens == default
+                               else "calib_tokens (--calib-tokens)")
+    check_batch_size(windows, config.windows_per_pass)
     return windows
 
 
@@ -181,7 +182,7 @@ def _candidate_tables(model, windows, config: AllocateConfig, desc: str = "calib
     device = next(model.parameters()).device
     with apply_plan(model, static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])) as handle:
         handle.context.recorders.append(recorder)
-        with tqdm(windows.split(config.batch_size), desc=desc, unit="batch", disable=not config.progress) as bar:
+        with tqdm(windows.split(config.windows_per_pass), desc=desc, unit="batch", disable=not config.progress) as bar:
             for batch in bar:
                 model(input_ids=batch.to(device))
     return recorder.tables()
@@ -397,14 +398,14 @@ def addons(method: str, config: AllocateConfig) -> tuple[bool, int]:
 
 def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
     with apply_plan(model, plan):
-        return evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False},
+        return evaluate_perplexity(model, None, "", {"windows_per_pass": config.windows_per_pass, "progress": False},
                                    windows=windows).perplexity
 
 
 def _measure_means(model, windows, config: AllocateConfig):
     from .means import measure_expert_means
 
-    return measure_expert_means(model, windows, config.batch_size, progress=config.progress,
+    return measure_expert_means(model, windows, config.windows_per_pass, progress=config.progress,
                                 rank=config.substitute_rank)
 
 
@@ -469,7 +470,7 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
         raise AllocMoeError("a perplexity target needs the model (and calibration text) to score plans; "
                             "pass model=, tokenizer= and calib_text=")
     windows = _calibration_windows(model, tokenizer, calib_text, config)
-    score = {"batch_size": config.batch_size, "progress": False}
+    score = {"windows_per_pass": config.windows_per_pass, "progress": False}
     full_ppl = evaluate_perplexity(model, None, "", score, windows=windows).perplexity
     target = parse_target(target_ppl, full_ppl)
     fingerprint = _fingerprint(profile, model)

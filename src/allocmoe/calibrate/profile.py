@@ -64,11 +64,11 @@ from .walk import WalkRun, memory_plan, whole_model_facts
 
 
 
-@config_class(flags={"max_tokens": "--calib-tokens"})
+@config_class(aliases={"max_tokens": "calib_tokens", "batch_size": "windows_per_pass"})
 class ProfileConfig:
     seq_len: int | None = None     # calibration window; None = min(2048, the model's position limit)
-    max_tokens: int = 8192         # calibration tokens scored per configuration (the paper does not say)
-    batch_size: int = 4            # windows per forward pass
+    calib_tokens: int = 8192       # calibration tokens scored per configuration (the paper does not say)
+    windows_per_pass: int = 4      # windows per forward pass
     progress: bool = True          # show a progress bar with cells done and time left
     prefix_cache: bool = True      # start each cell at its layer from states computed once: same numbers, half the work
     max_memory: int | str | None = None   # bytes or '300MiB': a model bigger than memory, read layer by layer
@@ -85,7 +85,7 @@ class ProfileConfig:
             from .walk import parse_size
 
             self.max_memory = parse_size(self.max_memory)
-        check_counts(self, {"seq_len": 2, "max_tokens": 2, "batch_size": 1}, {"max_tokens": "--calib-tokens"})
+        check_counts(self, {"seq_len": 2, "calib_tokens": 2, "windows_per_pass": 1})
 
 
 def check_ray_fields(config, owner: str) -> None:
@@ -138,13 +138,13 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     fingerprint = with_weights(model_fingerprint(model), spec if spec is not None else model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     seq_len = window_len(model, config.seq_len)
-    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens,      # the default: "up to"
-                               beyond=None if config.max_tokens == ProfileConfig.max_tokens
-                               else "max_tokens (--calib-tokens)")
-    check_batch_size(windows, config.batch_size)
+    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.calib_tokens,      # the default: "up to"
+                               beyond=None if config.calib_tokens == ProfileConfig.calib_tokens
+                               else "calib_tokens (--calib-tokens)")
+    check_batch_size(windows, config.windows_per_pass)
     calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
                    "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
-                   "seq_len": int(windows.size(1)), "max_tokens": config.max_tokens, "batch_size": config.batch_size}
+                   "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens, "batch_size": config.windows_per_pass}
     run_key = {"model": fingerprint, "calibration": calibration}
 
     partial_path = Path(f"{output}.partial.json") if output else None
@@ -256,7 +256,7 @@ def _folder_run(spec, tokenizer, windows: torch.Tensor, config: ProfileConfig, f
         model, _ = spec.load()
         return model, None, cell_run(model, tokenizer, windows, config, fingerprint, todo)
     onloaded = OnloadedModel(spec)
-    plan = memory_plan(onloaded, windows, config.batch_size, config.max_memory)
+    plan = memory_plan(onloaded, windows, config.windows_per_pass, config.max_memory)
     if plan.fits():
         for name in onloaded.pieces:
             onloaded.load(name)
@@ -284,9 +284,9 @@ def cell_run(model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fin
     """The profile's cells on a loaded model (cells.py): each configuration starts at its first MoE
     layer below K_orig and is scored by the perplexity evaluation, unchanged."""
     moe_layers, k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
-    ppl_config = {"batch_size": config.batch_size, "progress": False}
+    ppl_config = {"windows_per_pass": config.windows_per_pass, "progress": False}
     return CellRun(
-        model, windows, config.batch_size, todo, prefix_cache=config.prefix_cache, facts=facts,
+        model, windows, config.windows_per_pass, todo, prefix_cache=config.prefix_cache, facts=facts,
         start_layer=lambda cfg: moe_layers[start_position(cfg, k_orig)],
         plan_for=lambda cfg: static_plan(model, list(cfg), method="profile"),
         score=lambda: evaluate_perplexity(model, tokenizer, "", ppl_config, windows=windows).perplexity,

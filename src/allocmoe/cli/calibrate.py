@@ -57,7 +57,7 @@ def add_parsers(sub) -> None:
                         "text (0.5, 1/2, 50%%) or an average count per layer (e.g. 16); see docs/methods.md")
     p.add_argument("--decode-batch", type=positive_int, default=None, metavar="B",
                    help="with --max-distinct-experts: sequences decoded side by side, the step the budget bounds "
-                        "(default 16; replaces --batch-size)")
+                        "(default 16; replaces --windows-per-pass)")
     p.add_argument("--k-floor", type=positive_int, default=None,
                    help="with --max-distinct-experts: each token's top experts chosen first (default 1)")
     p.add_argument("--m-step", type=positive_int, default=None, metavar="N",
@@ -68,7 +68,7 @@ def add_parsers(sub) -> None:
     add_prefix_cache(p)
     add_quiet(p)
     # None: not given (the defaults are filled in by cmd_allocate), so a flag the run would not read is refused
-    p.set_defaults(func=cmd_allocate, batch_size=None, calib_tokens=None, prefix_cache=None)
+    p.set_defaults(func=cmd_allocate, windows_per_pass=None, calib_tokens=None, prefix_cache=None)
 
 
 # -- which flags a run reads ------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ ALLOCATE_READERS = {
                        "(alloc-moe or alloc-l without --profile) read calibration text"),
     "--seq-len": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
                   "(alloc-moe or alloc-l without --profile) run the model on text"),
-    "--batch-size": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
+    "--windows-per-pass": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
                      "(alloc-moe or alloc-l without --profile) run the model on text"),
     "--no-prefix-cache": ("profiling", "only profiling (alloc-moe, alloc-l or auto without --profile) reads it"),
 }
@@ -113,27 +113,27 @@ def cmd_profile(args) -> None:
     check_output_file(args.output, inputs={"--calib-text": args.calib_text, "--model": args.model},
                       writes=(f"{args.output}.partial.json",))
     text, name = read_text(args.calib_text, "calibration")
-    config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
+    config = ProfileConfig(seq_len=args.seq_len, calib_tokens=args.calib_tokens, windows_per_pass=args.windows_per_pass,
                            progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory,
                            ray=args.ray, ray_workers=args.ray_workers)
     spec = inspect(args)
-    check_calibration(spec, text, args.seq_len, args.calib_tokens, args.batch_size, "max_tokens")
+    check_calibration(spec, text, args.seq_len, args.calib_tokens, args.windows_per_pass)
     folder = config.max_memory is not None or config.ray is not None     # loaded by the walk or the workers
     model, tok = (spec, spec.tokenizer()) if folder else load(args, spec)
     profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
     print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
 
 
-def check_calibration(spec, text: str, seq_len: int | None, calib_tokens: int, batch_size: int,
-                      field: str = "calib_max_tokens") -> None:
+def check_calibration(spec, text: str, seq_len: int | None, calib_tokens: int, windows_per_pass: int,
+                      field: str = "calib_tokens") -> None:
     """The library's checks of a calibration run, before the weights load: the text long enough for a
     window, --calib-tokens no more than the text has (8192, the default, reads as "up to") and
-    --batch-size no more windows than the text gives."""
+    --windows-per-pass no more windows than the text gives."""
     from ..scoring.perplexity import check_batch_size, tokenize_windows
 
     windows = tokenize_windows(spec.tokenizer(), text, check_seq_len(spec, seq_len), calib_tokens,
                                beyond=None if calib_tokens == 8192 else f"{field} (--calib-tokens)")
-    check_batch_size(windows, batch_size)
+    check_batch_size(windows, windows_per_pass)
 
 
 def cmd_allocate(args) -> None:
@@ -165,16 +165,16 @@ def cmd_allocate(args) -> None:
     if args.target_ppl is not None:
         parse_target(args.target_ppl, 1.0)           # its form, before any work; its value needs the model
     given = {"--profile": args.profile, "--k-base": args.k_base, "--pool": args.pool, "--calib-text": args.calib_text,
-             "--calib-tokens": args.calib_tokens, "--seq-len": args.seq_len, "--batch-size": args.batch_size,
+             "--calib-tokens": args.calib_tokens, "--seq-len": args.seq_len, "--windows-per-pass": args.windows_per_pass,
              "--no-prefix-cache": args.prefix_cache}
     args.method = args.method or "auto"
     args.k_base = 1 if args.k_base is None else args.k_base
     args.pool = args.pool or "batch"
     args.calib_tokens = 8192 if args.calib_tokens is None else args.calib_tokens
-    args.batch_size = 4 if args.batch_size is None else args.batch_size
+    args.windows_per_pass = 4 if args.windows_per_pass is None else args.windows_per_pass
     args.prefix_cache = args.prefix_cache is not False
-    config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
-                            seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet,
+    config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_tokens=args.calib_tokens,
+                            seq_len=args.seq_len, windows_per_pass=args.windows_per_pass, progress=not args.quiet,
                             substitute=args.substitute, refine=args.refine,
                             **({} if args.substitute_rank is None else {"substitute_rank": args.substitute_rank}))
     substitute, refine = addons(args.method, config)
@@ -218,14 +218,14 @@ def cmd_allocate(args) -> None:
     if calibrates or args.calib_text is not None:
         text, name = read_text(args.calib_text, "calibration")
     if calibrates:
-        check_calibration(spec, text, args.seq_len, args.calib_tokens, args.batch_size)
+        check_calibration(spec, text, args.seq_len, args.calib_tokens, args.windows_per_pass)
     model, tok = skeleton, None
     if needs_weights is not None:
         model, tok = load(args, spec)
     if profiles_first:
         print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
         profile = profile_sensitivity(model, tok, text, ProfileConfig(
-            seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
+            seq_len=args.seq_len, calib_tokens=args.calib_tokens, windows_per_pass=args.windows_per_pass,
             progress=not args.quiet, prefix_cache=args.prefix_cache), calib_name=name)
     memo = SavedScores(f"{args.output}.refine.partial.json", {
         "model": fingerprint, "method": args.method, "budget": args.budget, "k_base": args.k_base, "pool": args.pool,
@@ -266,13 +266,13 @@ def _allocate_distinct(args) -> None:
     for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
                         ("--pool", args.pool), ("--substitute", args.substitute),
                         ("--substitute-rank", args.substitute_rank), ("--refine", args.refine),
-                        ("--batch-size", args.batch_size)):
+                        ("--windows-per-pass", args.windows_per_pass)):
         if value is not None:
             raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "
                                 f"per step, from its own profile measured at --decode-batch, which replaces "
-                                f"--batch-size); drop {flag}")
+                                f"--windows-per-pass); drop {flag}")
     config = DistinctConfig(decode_batch=args.decode_batch or 16, k_floor=args.k_floor or 1,
-                            calib_max_tokens=8192 if args.calib_tokens is None else args.calib_tokens,
+                            calib_tokens=8192 if args.calib_tokens is None else args.calib_tokens,
                             seq_len=args.seq_len, m_step=args.m_step or 1,
                             prefix_cache=args.prefix_cache is not False, progress=not args.quiet)
     spec = inspect(args, require_weights=False)

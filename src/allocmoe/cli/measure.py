@@ -24,11 +24,11 @@ def add_parsers(sub) -> None:
     add_eval_tokens(p, None, "score only the first N tokens (default: all)")
     p.add_argument("--decode-batch", type=positive_int, default=None,
                    help="score as N sequences decoded side by side, one position of each per step (replaces "
-                        "--batch-size for perplexity); reports distinct experts per step per layer")
+                        "--windows-per-pass for perplexity); reports distinct experts per step per layer")
     add_output(p, "also write the result JSON here", old="--output-json")
     add_task_flags(p)
     add_quiet(p)
-    p.set_defaults(func=cmd_eval, batch_size=None)      # None: not given (4), so --decode-batch can refuse it
+    p.set_defaults(func=cmd_eval, windows_per_pass=None)      # None: not given (4), so --decode-batch can refuse it
 
     p = sub.add_parser("sweep", help="budgets x methods table with plots (the main job)")
     add_model_flags(p)
@@ -67,13 +67,13 @@ def add_parsers(sub) -> None:
 
     p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
     add_model_flags(p, batch_size=1, batch_help="sequences decoded side by side (a decode step routes one "
-                    "token of each)")
+                    "token of each)", batch_flag="--sequences")
     p.add_argument("--plan", default=None, help="plan JSON to time (a distinct-expert plan is timed beside "
                    "uniform top-k at the activations per token it spends)")
     p.add_argument("--budget", default=None, help="or make a plan: budget (fraction or count)")
     p.add_argument("--max-distinct-experts", default=None, metavar="M",
                    help="or make a distinct-expert plan: at most M distinct experts per layer and decode step, "
-                        "a fraction of the unrestricted union at --batch-size (0.5, 1/2, 50%%; measured on other "
+                        "a fraction of the unrestricted union at --sequences (0.5, 1/2, 50%%; measured on other "
                         "random prompts) or a count (e.g. 32); timed beside uniform top-k")
     p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t (default), ascending, descending")
     p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T k_base (default 1)")
@@ -100,12 +100,12 @@ def cmd_eval(args) -> None:
     check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--text", args.text),
                       ("--model", args.model), ("--include-path", args.include_path)])
     tasks = task_names(args)
-    if args.decode_batch is not None and args.batch_size is not None and not tasks:
-        raise AllocMoeError("--batch-size does not apply with --decode-batch, which replaces it for perplexity (it "
-                            "sizes only --tasks' batches); drop --batch-size")
-    args.batch_size = 4 if args.batch_size is None else args.batch_size
+    if args.decode_batch is not None and args.windows_per_pass is not None and not tasks:
+        raise AllocMoeError("--windows-per-pass does not apply with --decode-batch, which replaces it for perplexity "
+                            "(it sizes only --tasks' batches); drop --windows-per-pass")
+    args.windows_per_pass = 4 if args.windows_per_pass is None else args.windows_per_pass
     result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
-                            max_tokens=args.eval_tokens, batch_size=args.batch_size,
+                            eval_tokens=args.eval_tokens, windows_per_pass=args.windows_per_pass,
                             trust_remote_code=args.trust_remote_code, tasks=tasks,
                             task_options={"num_fewshot": args.num_fewshot, "limit": args.limit,
                                           "include_path": args.include_path}, progress=not args.quiet,
@@ -152,8 +152,8 @@ def cmd_sweep(args) -> None:
     config = SweepConfig(
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
         methods=methods,
-        eval_max_tokens=args.eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
-        profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet, prefix_cache=args.prefix_cache),
+        eval_tokens=args.eval_tokens, seq_len=args.seq_len, windows_per_pass=args.windows_per_pass, k_base=args.k_base,
+        profile=ProfileConfig(calib_tokens=args.calib_tokens, progress=not args.quiet, prefix_cache=args.prefix_cache),
         tasks=tuple(tasks or ()), task_limit=args.limit, num_fewshot=args.num_fewshot,
         include_path=args.include_path, progress=not args.quiet, ray=args.ray, ray_workers=args.ray_workers)
     calib, calib_name = read_text(args.calib_text, "calibration")
@@ -175,13 +175,13 @@ def cmd_sweep(args) -> None:
     from ..scoring.perplexity import check_batch_size, tokenize_windows
 
     windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
-                               beyond=None if args.eval_tokens == 16384 else "eval_max_tokens (--eval-tokens)")
-    check_batch_size(windows, args.batch_size)
+                               beyond=None if args.eval_tokens == 16384 else "eval_tokens (--eval-tokens)")
+    check_batch_size(windows, args.windows_per_pass)
     profiles = profile is None and any(m in PROFILE_METHODS + ("auto",) for m in config.methods)
     if profiles or any(m in ("top-p", "naee", "auto") for m in config.methods):
         calib_windows = tokenize_windows(spec.tokenizer(), calib, seq_len, args.calib_tokens,
-                                         beyond=None if args.calib_tokens == 8192 else "max_tokens (--calib-tokens)")
-        check_batch_size(calib_windows, args.batch_size)     # the calibration passes batch the same way
+                                         beyond=None if args.calib_tokens == 8192 else "calib_tokens (--calib-tokens)")
+        check_batch_size(calib_windows, args.windows_per_pass)     # the calibration passes batch the same way
     model, tok = (spec, spec.tokenizer()) if args.ray is not None else load(args, spec)   # --ray: the workers load it
     results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
                     text_names=(calib_name, text_name))
@@ -222,9 +222,9 @@ def cmd_analyze(args) -> None:
     check_plan(plan, spec.skeleton())
     windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
                                beyond=None if args.eval_tokens == 16384 else "--eval-tokens")
-    check_batch_size(windows, args.batch_size)
+    check_batch_size(windows, args.windows_per_pass)
     model, tok = load(args, spec)
-    result = analyze_plan(model, tok, plan, windows, args.batch_size, progress=not args.quiet)
+    result = analyze_plan(model, tok, plan, windows, args.windows_per_pass, progress=not args.quiet)
     write_analysis(result, args.output)
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer"}, indent=2))
     print(f"wrote {args.output}/analysis.json, analysis.png", file=sys.stderr)
@@ -282,7 +282,7 @@ def cmd_bench(args) -> None:
     from ..models import ModelSpec, check_device
 
     check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--model", args.model)])
-    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
+    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, sequences=args.sequences,
                          repeats=args.repeats, warmup=args.warmup)
     given = [flag for flag, value in (("--plan", args.plan), ("--budget", args.budget),
                                       ("--max-distinct-experts", args.max_distinct_experts)) if value is not None]

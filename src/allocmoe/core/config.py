@@ -6,6 +6,10 @@ whose type is not its annotation's, strictly (pydantic's strict mode: no "32" fo
 count, no 1.5 for a whole number) or a float that is NaN or infinite. Each refusal is an AllocMoeError
 naming the field and the command-line flag that sets it, as the CLI says it. `dataclasses.replace` and
 `checked_config`'s dicts go through the same constructor.
+
+`aliases` maps a field's old name to its new one (one name per idea across the CLI, Python and files:
+`calib_tokens`, `eval_tokens`, `windows_per_pass`, `sequences`): the old name is still taken, as a
+keyword, a dict key and an attribute, with a DeprecationWarning naming the new one.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ import dataclasses
 import functools
 import math
 import typing
+import warnings
 from dataclasses import fields, is_dataclass
 from typing import Any, TypeVar
 
@@ -22,18 +27,23 @@ from ..errors import AllocMoeError
 C = TypeVar("C")
 
 
-def config_class(cls=None, *, flags: dict[str, str] | None = None):
-    """`@config_class` (or `@config_class(flags={"max_tokens": "--calib-tokens"})`): a dataclass checked at the
-    door (module docstring). `flags` names the CLI flag of fields not spelled `--<field-name>`."""
+def config_class(cls=None, *, flags: dict[str, str] | None = None, aliases: dict[str, str] | None = None):
+    """`@config_class` (or `@config_class(flags={"task_limit": "--limit"}, aliases={"max_tokens": "calib_tokens"})`):
+    a dataclass checked at the door (module docstring). `flags` names the CLI flag of fields not spelled
+    `--<field-name>`; `aliases` maps deprecated field names to their new names."""
     def wrap(klass):
         klass = dataclasses.dataclass(klass)
         klass.__config_flags__ = {**getattr(klass, "__config_flags__", {}), **(flags or {})}
+        klass.__config_aliases__ = {**getattr(klass, "__config_aliases__", {}), **(aliases or {})}
+        for old, new in (aliases or {}).items():
+            setattr(klass, old, _alias_property(klass.__name__, old, new))
         init = klass.__init__
         names = [f.name for f in fields(klass) if f.init]
 
         @functools.wraps(init)
         def __init__(self, *args, **kwargs):
             name = type(self).__name__
+            kwargs = renamed(type(self), kwargs)
             if len(args) > len(names):
                 raise AllocMoeError(f"{name} takes at most {len(names)} values, got {len(args)}; give its fields "
                                     f"by name: {', '.join(names)}")
@@ -53,6 +63,41 @@ def config_class(cls=None, *, flags: dict[str, str] | None = None):
         return klass
 
     return wrap if cls is None else wrap(cls)
+
+
+def _alias_property(owner: str, old: str, new: str) -> property:
+    """The deprecated attribute `old` of a config: reads and writes field `new`, warning once per use."""
+    def warn():
+        warnings.warn(f"{owner}.{old} is deprecated; use {owner}.{new}", DeprecationWarning, stacklevel=3)
+
+    def get(self):
+        warn()
+        return getattr(self, new)
+
+    def put(self, value):
+        warn()
+        setattr(self, new, value)
+
+    return property(get, put, doc=f"deprecated alias of {new}")
+
+
+def renamed(cls, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (a config's keyword arguments) with deprecated field names (cls.__config_aliases__) turned
+    into the new ones, each with a DeprecationWarning naming the new name; both names at once are refused."""
+    aliases = getattr(cls, "__config_aliases__", {})
+    if not any(isinstance(key, str) and key in aliases for key in values):
+        return values
+    out = {}
+    for key, value in values.items():
+        new = aliases.get(key) if isinstance(key, str) else None
+        if new is None:
+            out[key] = value
+            continue
+        if new in values:
+            raise AllocMoeError(f"{cls.__name__} got both {key} and {new}, which is its new name; give {new} alone")
+        warnings.warn(f"{cls.__name__}({key}=...) is deprecated; use {new}=", DeprecationWarning, stacklevel=4)
+        out[new] = value
+    return out
 
 
 _FLAGS = {"progress": "--quiet", "prefix_cache": "--no-prefix-cache"}     # fields whose flag turns them off
@@ -115,6 +160,7 @@ def checked_config(cls: type[C], value: C | dict[str, Any] | None) -> C:
         raise AllocMoeError(f"{cls.__name__} must be a {cls.__name__} or a dict, got {type(value).__name__}; give "
                             f"{cls.__name__}(...) or a dict of its fields")
     known = {f.name for f in fields(cls)}
+    value = renamed(cls, value)
     bad_keys = [key for key in value if not isinstance(key, str)]
     if bad_keys:
         raise AllocMoeError(f"{cls.__name__} field names must be strings, got {bad_keys[:3]}; known: {sorted(known)}")

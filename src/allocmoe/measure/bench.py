@@ -36,13 +36,14 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from ..core.budget import read_fraction_or_count, round_half_up
+from ..core.config import check_counts, config_class
 from ..core.memory import check_free_memory
 from ..core.plan import Plan
 from ..core.policies import DistinctExperts
@@ -50,19 +51,16 @@ from ..errors import AllocMoeError
 from ..routing.apply import allocmoe_experts, apply_plan, distinct_plan, routed_experts_off, static_plan
 
 
-@dataclass
+@config_class(aliases={"batch_size": "sequences"})
 class BenchConfig:
-    input_len: int = 256            # prompt tokens per sequence
-    output_len: int = 32            # decode steps timed per repeat
-    batch_size: int = 1             # sequences decoded side by side (a decode step routes one token of each)
-    repeats: int = 5                # timed rounds (in each, the configs take turns call by call)
-    warmup: int = 1                 # untimed rounds first
+    input_len: int = 256            # prompt tokens per sequence: the prefill's length
+    output_len: int = 32            # decode steps timed per repeat: what a decode step's mean is taken over
+    sequences: int = 1              # sequences decoded side by side (a decode step routes one token of each)
+    repeats: int = 5                # timed rounds (in each, the configs take turns call by call): the medians' samples
+    warmup: int = 1                 # untimed rounds first, so first-call costs stay out of the timings
 
-    def __post_init__(self):
-        for name, value in asdict(self).items():
-            low = 0 if name == "warmup" else 1
-            if not isinstance(value, int) or value < low:
-                raise AllocMoeError(f"{name.replace('_', '-')} must be a whole number >= {low}, got {value!r}")
+    def __post_init__(self):        # types are checked by @config_class before this runs
+        check_counts(self, {"input_len": 1, "output_len": 1, "sequences": 1, "repeats": 1, "warmup": 0})
 
 
 def _sync(device: torch.device) -> None:
@@ -147,12 +145,12 @@ def check_memory(model, config: BenchConfig, caches: int = 3) -> None:
     c = model.config
     param = next(model.parameters())
     elem = param.element_size()
-    tokens = config.batch_size * (config.input_len + config.output_len)
+    tokens = config.sequences * (config.input_len + config.output_len)
     per_token_kv = 2 * c.num_hidden_layers * c.hidden_size * elem * 2       # generous: K and V, MLA expanded
-    peak_acts = config.batch_size * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
+    peak_acts = config.sequences * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
     need = caches * tokens * per_token_kv + peak_acts
-    check_free_memory(need, param.device, f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens",
-                      "lower --batch-size or --input-len", detail=" (an estimate) for cache and activations", share=0.9)
+    check_free_memory(need, param.device, f"batch {config.sequences} x {config.input_len}+{config.output_len} tokens",
+                      "lower --sequences or --input-len", detail=" (an estimate) for cache and activations", share=0.9)
 
 
 # -- distinct experts per decode step -----------------------------------------------------------------
@@ -165,7 +163,7 @@ def prompt_ids(model, config: BenchConfig, seed: int = 0) -> torch.Tensor:
     """The benchmark's prompts: random token ids [B, input_len] (seed 0 is timed)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (config.batch_size, config.input_len), generator=gen).to(device)
+    return torch.randint(0, model.config.vocab_size, (config.sequences, config.input_len), generator=gen).to(device)
 
 
 @torch.no_grad()
@@ -192,7 +190,7 @@ def count_decode(model, plan: Plan, ids: torch.Tensor, steps: int) -> dict[str, 
 
 def unrestricted_union(model, config: BenchConfig, seed: int = 1) -> dict[int, float]:
     """Per MoE layer, the mean distinct experts per decode step of unmodified top-K routing at
-    config.batch_size, over config.output_len decode steps after other random prompts than the
+    config.sequences, over config.output_len decode steps after other random prompts than the
     timed ones (seed 1): the union a distinct-expert fraction is taken of."""
     from ..routing.layout import model_fingerprint
 
@@ -232,7 +230,7 @@ def parse_max_distinct(text: str, num_experts: int) -> tuple[float | None, int |
 def distinct_plan_for(model, config: BenchConfig, fraction: float | None = None,
                       count: int | None = None) -> tuple[Plan, dict[int, float] | None]:
     """A distinct-expert plan at `count` experts per layer and step, or at `fraction` of each
-    layer's unrestricted union at config.batch_size (unrestricted_union): M_l = max(1,
+    layer's unrestricted union at config.sequences (unrestricted_union): M_l = max(1,
     round_half_up(fraction * union_l)). Returns the plan and the union (None for a count)."""
     if (fraction is None) == (count is None):
         raise AllocMoeError("give the distinct-expert budget as a fraction or as a count, not both or neither")
@@ -356,7 +354,7 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
         t = timings[name]["decode"]["median"]
         row: dict[str, Any] = {"label": _label(name, plans.get(name), k_orig),
                                **({"k": uniform_k} if name == "uniform" else {}),
-                               "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.batch_size / t,
+                               "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.sequences / t,
                                "prefill_seconds": timings[name]["prefill"]["median"], "decode_speedup": t_full / t}
         if name in counted:
             c = counted[name]
@@ -425,7 +423,7 @@ def format_table(result: dict[str, Any]) -> str:
     """The side-by-side decode table of a result, as Markdown."""
     s = result["settings"]
     num_experts = result["model"]["num_experts"]
-    lines = [f"batch {s['batch_size']}, prompt {s['input_len']}, {s['output_len']} decode steps, "
+    lines = [f"batch {s.get('sequences', s.get('batch_size'))}, prompt {s['input_len']}, {s['output_len']} decode steps, "
              f"{s['repeats']} timed rounds (medians); distinct experts of {num_experts} per layer",
              "",
              "| configuration | activations/token | distinct experts/step (max) | step ms | decode tok/s | speedup "

@@ -56,14 +56,15 @@ READS_PROFILE = ("alloc-moe", "alloc-l", "auto")     # the methods that read the
 ROWS_FILE = "rows.partial.json"                     # finished rows of a sweep not yet written out
 
 
-@config_class(flags={"eval_max_tokens": "--eval-tokens", "task_limit": "--limit",
+@config_class(aliases={"eval_max_tokens": "eval_tokens", "batch_size": "windows_per_pass"},
+              flags={"task_limit": "--limit",
                      "threads_per_worker": "SweepConfig.threads_per_worker"})
 class SweepConfig:
     budgets: tuple[str, ...] | list[str] = DEFAULT_BUDGETS   # "1/2", "0.5", "78": as `--budget` takes them
     methods: tuple[str, ...] | list[str] = METHODS  # every method by default
-    eval_max_tokens: int | None = 16384             # test tokens scored per row (None = the whole text)
+    eval_tokens: int | None = 16384                 # test tokens scored per row (None = the whole text)
     seq_len: int | None = None                      # window for calibration and evaluation
-    batch_size: int = 4                             # windows per forward pass
+    windows_per_pass: int = 4                       # windows per forward pass
     k_base: int = 1                                 # Alloc-T's k_base for alloc-moe and alloc-t
     profile: ProfileConfig | dict = field(default_factory=ProfileConfig)   # calibration for profiling
     progress: bool = True
@@ -77,7 +78,7 @@ class SweepConfig:
 
     def __post_init__(self):        # types are checked by @config_class before this runs
         self.budgets, self.methods, self.tasks = tuple(self.budgets), tuple(self.methods), tuple(self.tasks)
-        check_counts(self, {"eval_max_tokens": 1, "seq_len": 2, "batch_size": 1, "k_base": 0, "task_limit": 1,
+        check_counts(self, {"eval_tokens": 1, "seq_len": 2, "windows_per_pass": 1, "k_base": 0, "task_limit": 1,
                             "num_fewshot": 0})           # the Ray fields: check_ray_fields below
         self.profile = checked_config(ProfileConfig, self.profile)
         if self.profile.ray is not None:
@@ -128,8 +129,8 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
 
         check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
     seq_len = window_len(model, config.seq_len)
-    eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
-    check_batch_size(eval_windows, config.batch_size)        # the CLI's refusal, before the profile's hours
+    eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_tokens)
+    check_batch_size(eval_windows, config.windows_per_pass)        # the CLI's refusal, before the profile's hours
     pairs = [(budget, method) for budget in budgets for method in config.methods]
     items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
     results_of: dict[Any, Any] = {}                     # "full" or a row's index -> its result
@@ -144,9 +145,9 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
             ray_started, workers = connect(settings)
         profile = _sweep_profile(spec if on_ray else model, tokenizer, calib_text, config, seq_len,
                                  output_dir, profile, text_names[0])
-        ppl_config = {"batch_size": config.batch_size, "progress": False}
-        alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
-                                      seq_len=seq_len, batch_size=config.batch_size,
+        ppl_config = {"windows_per_pass": config.windows_per_pass, "progress": False}
+        alloc_config = AllocateConfig(k_base=config.k_base, calib_tokens=config.profile.calib_tokens,
+                                      seq_len=seq_len, windows_per_pass=config.windows_per_pass,
                                       progress=False)      # the sweep's own bar counts the rows
         work = _RowWork(profile, calib_text, alloc_config, eval_windows, ppl_config, config)
         if kept is not None:
@@ -206,7 +207,7 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
                  **({"tasks": full_tasks} if config.tasks else {})},
         "evaluation": {"text": text_names[1], "tokens": full["tokens"], "windows": full["windows"],
                        "seq_len": full["seq_len"],
-                       "batch_size": config.batch_size},
+                       "batch_size": config.windows_per_pass},
         "calibration": profile["calibration"] if profile else {"text": text_names[0]},
         "rows": rows,
         "environment": environment(),
@@ -231,7 +232,7 @@ def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_l
     needs_profile = any(m in READS_PROFILE for m in config.methods)
     if profile is not None or not needs_profile:
         return profile
-    profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len, "batch_size": config.batch_size,
+    profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len, "windows_per_pass": config.windows_per_pass,
                                       "progress": config.progress, "ray": config.ray,
                                       "ray_workers": config.ray_workers,
                                       "threads_per_worker": config.threads_per_worker})
@@ -263,7 +264,7 @@ class _RowWork:
 
         config = self.config
         return run_tasks(model, tokenizer, list(config.tasks), config.num_fewshot, config.task_limit,
-                         config.include_path, batch_size=config.batch_size)
+                         config.include_path, batch_size=config.windows_per_pass)
 
     def full(self, model, tokenizer) -> tuple[dict[str, Any], Any]:
         """The unmodified model's perplexity facts (and task scores)."""
@@ -323,7 +324,7 @@ def _finished_profile(path: Path, model, calib_text: str, config: ProfileConfig,
     found_model = {key: value for key, value in saved["model"].items() if value is not None}
     calibration = saved.get("calibration") or {}
     wanted = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
-              "seq_len": config.seq_len, "max_tokens": config.max_tokens, "batch_size": config.batch_size}
+              "seq_len": config.seq_len, "max_tokens": config.calib_tokens, "batch_size": config.windows_per_pass}
     found = {key: calibration.get(key) for key in wanted}
     if found_model != wanted_model or found != wanted:
         why = why_not_resumed({"model": found_model, "calibration": found},
