@@ -14,7 +14,8 @@ import torch
 
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, evaluate_perplexity, model_fingerprint
 from allocmoe.core import policies
-from allocmoe.core.policies import DistinctExperts, distinct_per_step, policy_from_dict, select_experts
+from allocmoe.core.policies import DistinctExperts, distinct_per_step, select_experts
+from conftest import policy_from_layer_entry
 from allocmoe.routing.apply import distinct_plan
 from allocmoe.routing.layout import load_plan
 from conftest import build_tiny
@@ -387,14 +388,14 @@ def test_a_distinct_plan_round_trips_and_bad_entries_are_refused(tmp_path):
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["layers"]["0"] == {"policy": "distinct", "max_experts": 2, "k_floor": 2}
     assert load_plan(tmp_path / "p.json", model).layers == plan.layers
-    assert policy_from_dict({"policy": "distinct", "max_experts": 5, "k": 2.5}, k_orig=4) == DistinctExperts(5, 1, 2.5)
+    assert policy_from_layer_entry({"policy": "distinct", "max_experts": 5, "k": 2.5}, k_orig=4) == DistinctExperts(5, 1, 2.5)
     for entry, message in [({"policy": "distinct"}, "max_experts: missing field"),
                            ({"policy": "distinct", "max_experts": 0}, "max_experts"),
                            ({"policy": "distinct", "max_experts": 2.5}, "must be a whole number"),
                            ({"policy": "distinct", "max_experts": 4, "k_floor": 5}, "k_floor in [1, 4]"),
                            ({"policy": "distinct", "max_experts": 4, "floor": 1}, "floor: unknown field")]:
         with pytest.raises(AllocMoeError, match=re.escape(message)):
-            policy_from_dict(entry, k_orig=4)
+            policy_from_layer_entry(entry, k_orig=4)
     data["layers"]["1"]["k_floor"] = 9
     with pytest.raises(AllocMoeError, match="layer 1: k_floor 9 is above k_orig 4"):
         Plan.from_dict(data)

@@ -7,7 +7,8 @@ import torch
 
 from allocmoe.errors import AllocMoeError
 from allocmoe.core.policies import (AllocT, NaeeSkip, StaticTopK, TopP, expected_alloc_t_activations,
-                               policy_from_dict, prefix_mask, select_experts)
+                               prefix_mask, select_experts)
+from conftest import policy_from_layer_entry
 
 
 def sorted_probs(num_tokens, k_orig=6, num_experts=16, seed=0):
@@ -98,7 +99,7 @@ def test_prefix_mask():
 ])
 def test_bad_layer_entries_are_refused_with_the_reason(entry, message):
     with pytest.raises(AllocMoeError, match=__import__("re").escape(message)):
-        policy_from_dict(entry, k_orig=6)
+        policy_from_layer_entry(entry, k_orig=6)
 
 
 @pytest.mark.parametrize("policy", [StaticTopK(0), StaticTopK(5), AllocT(k=0), AllocT(k=2, k_base=3),

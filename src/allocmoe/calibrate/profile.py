@@ -59,7 +59,7 @@ from ..core.plan import check_fingerprint
 from ..routing.layout import model_fingerprint
 from .onload import OnloadedModel
 from .cells import CellBar, CellRun
-from .prefix import start_position
+from .prefix import profile_start_layer, start_position
 from .walk import WalkRun, memory_plan, whole_model_facts
 
 
@@ -287,7 +287,7 @@ def cell_run(model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fin
     ppl_config = {"windows_per_pass": config.windows_per_pass, "progress": False}
     return CellRun(
         model, windows, config.windows_per_pass, todo, prefix_cache=config.prefix_cache, facts=facts,
-        start_layer=lambda cfg: moe_layers[start_position(cfg, k_orig)],
+        start_layer=profile_start_layer(moe_layers, k_orig),
         plan_for=lambda cfg: static_plan(model, list(cfg), method="profile"),
         score=lambda: evaluate_perplexity(model, tokenizer, "", ppl_config, windows=windows).perplexity,
         label=lambda cfg: f"MoE layer {start_position(cfg, k_orig) + 1}/{len(moe_layers)}")

@@ -271,19 +271,43 @@ def _packed(model, wanted: bool):
 def cmd_bench(args) -> None:
     """Flags, device, plan (against the model's layout), budget and positions are all checked before
     the weights load or the synthetic model is built."""
-    from ..calibrate.methods import METHODS, allocate
-    from ..core.budget import Budget
+    from ..calibrate.methods import allocate
     from ..core.plan import Plan
-    from ..routing.layout import check_plan
-    from ..core.memory import check_free_memory
-    from ..measure.bench import (BenchConfig, benchmark, check_memory, distinct_plan_for, format_table,
-                                 is_distinct_plan, parse_max_distinct)
-    from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
-    from ..models import ModelSpec, check_device
+    from ..measure.bench import BenchConfig, benchmark, check_memory, distinct_plan_for, is_distinct_plan
 
     check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--model", args.model)])
     config = BenchConfig(input_len=args.input_len, output_len=args.output_len, sequences=args.sequences,
                          repeats=args.repeats, warmup=args.warmup)
+    _bench_flags(args)
+    synthetic = _check_synthetic_and_method(args)
+    device, dtype = _bench_device(args)
+    plan = Plan.load(args.plan) if args.plan else None
+    spec, cfg = _bench_spec(args, synthetic)
+    distinct = is_distinct_plan(plan) if plan is not None else args.max_distinct_experts is not None
+    check_memory(_Shape(spec.config, dtype, device), config,                 # before building or loading
+                 caches=3 + distinct + (plan is not None and plan.means is not None))
+    max_distinct = _check_bench_against_model(args, spec, plan)
+    torch.set_grad_enabled(False)
+    model = _bench_model(args, spec, cfg, synthetic, device, dtype)
+    union = None
+    if plan is None and args.budget is not None:
+        plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
+    elif plan is None:
+        plan, union = distinct_plan_for(model, config, *max_distinct)
+    with _packed(model, args.packed_experts):
+        result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
+    if union is not None:
+        result["unrestricted_union"] = {"fraction": max_distinct[0], "per_layer": {str(i): u for i, u in union.items()},
+                                        "measured_on": "other random prompts (seed 1), same batch and decode steps"}
+    emit(result, args.output)
+    _say_bench(result)
+
+
+def _bench_flags(args) -> None:
+    """What to time, given once (--plan, --budget or --max-distinct-experts), and only the flags that run
+    reads; fills in --method and --k-base."""
+    from .calibrate import refuse_unread
+
     given = [flag for flag, value in (("--plan", args.plan), ("--budget", args.budget),
                                       ("--max-distinct-experts", args.max_distinct_experts)) if value is not None]
     if len(given) != 1:
@@ -292,14 +316,20 @@ def cmd_bench(args) -> None:
                             "one of --plan PLAN.json, --budget B (with --method) or --max-distinct-experts M")
     if args.seq_len is not None:
         raise AllocMoeError("--seq-len does not apply to bench; the prompt length is --input-len")
-    from .calibrate import refuse_unread
-
     method = "alloc-t" if args.method is None else args.method
     reads = {"--method"} if args.budget is not None else set()
     reads |= {"--k-base"} if args.budget is not None and method == "alloc-t" else set()
     refuse_unread({"--method": args.method, "--k-base": args.k_base}, reads, BENCH_READERS,
                   given[0] + (f" --method {method}" if args.budget is not None else ""))
     args.method, args.k_base = method, 1 if args.k_base is None else args.k_base
+
+
+def _check_synthetic_and_method(args) -> bool:
+    """Whether --model names a synthetic model; --num-layers only for one, --budget only with a method
+    that needs neither a profile nor calibration."""
+    from ..calibrate.methods import METHODS
+    from ..measure.synthetic import PREFIX
+
     synthetic = str(args.model or "").startswith(PREFIX)
     if args.num_layers is not None and not synthetic:
         raise AllocMoeError(f"--num-layers applies only to synthetic models ({PREFIX}NAME); drop it or bench "
@@ -311,21 +341,40 @@ def cmd_bench(args) -> None:
         raise AllocMoeError(f"--budget with --method {args.method!r} needs a profile or calibration; make a "
                             "plan with `allocmoe allocate` and pass --plan (speed depends on the budget, "
                             "not on which layers get it: alloc-t times the same work as alloc-moe)")
+    return synthetic
+
+
+def _bench_device(args) -> tuple[str, torch.dtype]:
+    """--device (default: cuda if available) and --dtype (float32 on CPU, bfloat16 on CUDA), checked."""
+    from ..models import check_device
+
     device = str(check_device(args.device if args.device is not None else
                               ("cuda" if torch.cuda.is_available() else "cpu")))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if args.packed_experts and (device != "cpu" or dtype != torch.float32):
         raise AllocMoeError("--packed-experts serves the CPU kernel in float32; drop it, or bench with --device cpu "
                             "--dtype float32")
-    plan = Plan.load(args.plan) if args.plan else None
+    return device, dtype
+
+
+def _bench_spec(args, synthetic: bool):
+    """(the model's spec, the synthetic config or None): what is benched, before any weights exist."""
+    from ..measure.synthetic import synthetic_config
+    from ..models import ModelSpec
+
     if synthetic:
         cfg = synthetic_config(args.model, args.num_layers)
-        spec = ModelSpec(path=args.model, config=cfg)
-    else:
-        spec = inspect(args)
-    distinct = is_distinct_plan(plan) if plan is not None else args.max_distinct_experts is not None
-    check_memory(_Shape(spec.config, dtype, device), config,                 # before building or loading
-                 caches=3 + distinct + (plan is not None and plan.means is not None))
+        return ModelSpec(path=args.model, config=cfg), cfg
+    return inspect(args), None
+
+
+def _check_bench_against_model(args, spec, plan) -> tuple[float | None, int | None] | None:
+    """The positions against the model's context; the plan against its layout, or the budget (and
+    k_base) against its shape; returns the parsed --max-distinct-experts when that is what is timed."""
+    from ..core.budget import Budget
+    from ..measure.bench import parse_max_distinct
+    from ..routing.layout import check_plan
+
     positions = args.input_len + args.output_len
     if spec.context is not None and positions > spec.context:
         raise AllocMoeError(f"--input-len {args.input_len} + --output-len {args.output_len} = {positions} positions, "
@@ -340,27 +389,28 @@ def cmd_bench(args) -> None:
 
             check_k_base(args.k_base, "alloc-t", fingerprint["k_orig"], args.budget, spec.skeleton(), None)
     else:
-        max_distinct = parse_max_distinct(args.max_distinct_experts, fingerprint["num_experts"])
-    torch.set_grad_enabled(False)
-    if synthetic:
-        need = parameter_bytes(cfg, dtype)
-        if device == "cpu":
-            check_free_memory(need, torch.device("cpu"), f"{args.model} with {cfg.num_hidden_layers} layers",
-                              "pass a smaller --num-layers", detail=" of weights")
-        model = build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
-    else:
-        model, _ = spec.load(dtype=dtype, device=device)
-    union = None
-    if plan is None and args.budget is not None:
-        plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
-    elif plan is None:
-        plan, union = distinct_plan_for(model, config, *max_distinct)
-    with _packed(model, args.packed_experts):
-        result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
-    if union is not None:
-        result["unrestricted_union"] = {"fraction": max_distinct[0], "per_layer": {str(i): u for i, u in union.items()},
-                                        "measured_on": "other random prompts (seed 1), same batch and decode steps"}
-    emit(result, args.output)
+        return parse_max_distinct(args.max_distinct_experts, fingerprint["num_experts"])
+    return None
+
+
+def _bench_model(args, spec, cfg, synthetic: bool, device: str, dtype: torch.dtype):
+    """The model to time: the synthetic one built (refused first if its weights would not fit), or loaded."""
+    from ..core.memory import check_free_memory
+    from ..measure.synthetic import build_synthetic, parameter_bytes
+
+    if not synthetic:
+        return spec.load(dtype=dtype, device=device)[0]
+    need = parameter_bytes(cfg, dtype)
+    if device == "cpu":
+        check_free_memory(need, torch.device("cpu"), f"{args.model} with {cfg.num_hidden_layers} layers",
+                          "pass a smaller --num-layers", detail=" of weights")
+    return build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
+
+
+def _say_bench(result: dict) -> None:
+    """The decode table and the speedups, on stderr."""
+    from ..measure.bench import format_table
+
     print(format_table(result), file=sys.stderr)
     print(f"prefill {result['prefill_speedup']:.3f}x (ideal {result['prefill_ideal_speedup']:.3f}x), "
           f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "

@@ -36,14 +36,14 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from ..core.budget import read_fraction_or_count, round_half_up
-from ..core.config import check_counts, config_class
+from ..core.config import check_counts, checked_config, config_class
 from ..core.memory import check_free_memory
 from ..core.plan import Plan
 from ..core.policies import DistinctExperts
@@ -241,17 +241,15 @@ def distinct_plan_for(model, config: BenchConfig, fraction: float | None = None,
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
-def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = False,
+def benchmark(model, plan, config: BenchConfig | dict | None = None, synthetic: bool = False,
               progress: bool = True, uniform_beside: bool | None = None) -> dict[str, Any]:
     """Time full / plan / experts off side by side (and, beside a distinct-expert plan or with
     `uniform_beside`, uniform top-k at the activations per decoded token the plan spends, rounded
     to a whole k); returns the JSON-ready result."""
-    from ..version import __version__
     from ..routing.layout import model_fingerprint
 
-    config = config or BenchConfig()
+    config = checked_config(BenchConfig, config)
     fingerprint = model_fingerprint(model)
-    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     if uniform_beside is None:
         uniform_beside = is_distinct_plan(plan)
     twin = plan.means is not None
@@ -260,10 +258,36 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     ids = prompt_ids(model, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    lineup = _lineup(model, plan, ids, config, fingerprint, uniform_beside, twin)
+    rounds = _timed_rounds(model, ids, lineup, config, progress)
+    result = _summarise(plan, config, fingerprint, lineup, rounds, synthetic)
+    result["experts_kernel"] = f"allocmoe {_kernel_of(model, device)}, for full and plans alike"
+    result["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    result["environment"] = _environment(model, device)
+    if synthetic:
+        result["note"] = "synthetic model with random weights: timings are real, quality numbers are meaningless"
+    return result
 
-    # untimed: what each configuration loads and spends per decode step (these steps are the timed ones)
+
+@dataclass
+class _Lineup:
+    """The configurations a benchmark times, in order, and what each loads and spends per decode step."""
+    names: list[str]                    # "full", "plan", ["twin"], ["uniform"], "off"
+    plans: dict[str, Plan]              # the plan of each configuration that has one (not "off")
+    counted: dict[str, dict[str, Any]]  # count_decode's untimed counts per configuration (not "off")
+    uniform_k: int | None               # uniform's whole k, when it is timed beside the plan
+
+
+def _lineup(model, plan: Plan, ids: torch.Tensor, config: BenchConfig, fingerprint: dict[str, Any],
+            uniform_beside: bool, twin: bool) -> _Lineup:
+    """The configurations to time, each counted untimed first over the same prompts and decode steps as
+    the timed ones: uniform top-k at the plan's activations beside it if asked, the plan's twin without
+    its substitute when it has one."""
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     plans = {"full": static_plan(model, [k_orig] * num_layers, method="full"), "plan": plan}
     counted = {"plan": count_decode(model, plan, ids, config.output_len)}
+    uniform_k = None
     if uniform_beside:
         uniform_k = min(k_orig, max(1, round_half_up(counted["plan"]["activations_per_token"] / num_layers)))
         plans["uniform"] = static_plan(model, [uniform_k] * num_layers, method="uniform")
@@ -273,7 +297,20 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
         counted["twin"] = count_decode(model, plans["twin"], ids, config.output_len)
     counted["full"] = count_decode(model, plans["full"], ids, config.output_len)
     names = ["full", "plan", *(["twin"] if twin else []), *(["uniform"] if uniform_beside else []), "off"]
+    return _Lineup(names, plans, counted, uniform_k)
 
+
+@dataclass
+class _Rounds:
+    """What the timed rounds measured."""
+    samples: dict[str, dict[str, list[float]]]   # configuration -> "prefill" / "decode" -> seconds per round
+    tokens: dict[str, torch.Tensor]              # configuration -> the tokens its last round chose [B, steps + 1]
+    activations_per_token: float                 # the plan's, measured over every call it ran
+
+
+def _timed_rounds(model, ids: torch.Tensor, lineup: _Lineup, config: BenchConfig, progress: bool) -> _Rounds:
+    """Warm-up and timed rounds; in each, the configurations take turns call by call (prefill, then each
+    decode step), in an order that reverses between rounds, so drift on a shared host falls on all alike."""
     spent = {"activations": 0.0, "tokens": 0}     # the plan's, over every call it ran
 
     @contextlib.contextmanager
@@ -285,7 +322,7 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
             with routed_experts_off(model):
                 yield
         else:
-            with apply_plan(model, plans[name]) as handle:
+            with apply_plan(model, lineup.plans[name]) as handle:
                 yield
                 if name == "plan":
                     tokens = handle.tokens_seen()
@@ -299,14 +336,13 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                 seconds[name] = call(name)
         return seconds
 
+    names = lineup.names
     samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in names}
     rounds = config.warmup + config.repeats
     # one tick per call of all configurations (a prefill or a decode step): time left is right within a round too
     with tqdm(total=rounds * (1 + config.output_len), desc="bench", unit="step", disable=not progress) as bar:
         for r in range(rounds):
             bar.set_postfix_str(f"round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}")
-            # The configurations take turns call by call (prefill, then each decode step), in an
-            # order that reverses between rounds, so drift on a shared host falls on all alike.
             order = names if r % 2 == 0 else names[::-1]
             gens = {name: Generation(model, ids, config.output_len) for name in order}
             prefill = take_turns(order, lambda name: gens[name].prefill())
@@ -320,9 +356,17 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                 for name in order:
                     samples[name]["prefill"].append(prefill[name])
                     samples[name]["decode"].append(decode[name])
-    timed_tokens = {name: torch.cat(gens[name].tokens, dim=1) for name in names}
+    return _Rounds(samples, {name: torch.cat(gens[name].tokens, dim=1) for name in names},
+                   spent["activations"] / max(spent["tokens"], 1))
 
-    measured = spent["activations"] / max(spent["tokens"], 1)
+
+def _summarise(plan: Plan, config: BenchConfig, fingerprint: dict[str, Any], lineup: _Lineup, rounds: _Rounds,
+               synthetic: bool) -> dict[str, Any]:
+    """The JSON-ready result of the timed rounds: speedups against the ideal per phase, a row per
+    configuration, the substitute's cost, the timings with their samples."""
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+    counted, samples = lineup.counted, rounds.samples
+    measured = rounds.activations_per_token
     fraction = measured / (num_layers * k_orig)
     d_full = counted["full"]["distinct_experts_per_step"]
     decode_fraction = {name: counted[name]["distinct_experts_per_step"] / d_full for name in counted}
@@ -334,7 +378,7 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                               "measured_activations_per_token": measured, "budget_fraction": fraction,
                               "decode_fraction": decode_fraction["plan"],
                               "settings": asdict(config),
-                              "experts_kernel": f"allocmoe {_kernel_of(model, device)}, for full and plans alike",
+                              "experts_kernel": None,
                               "ideal": {"formula": "t_full / (t_off + b * (t_full - t_off))",
                                         "prefill_b": "measured activations per token / (L * K)",
                                         "decode_b": "distinct experts per decode step, plan / full (means over "
@@ -347,30 +391,9 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
         result[f"{phase}_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
         result[f"{phase}_fraction_of_ideal"] = share_of_ideal_gain(t_full, t_plan, t_off, b)
         result[f"{phase}_fraction_of_ideal_paired"] = _paired_share(samples, phase, "plan", b)
-
-    configurations: dict[str, dict[str, Any]] = {}
-    t_full, t_off = timings["full"]["decode"]["median"], timings["off"]["decode"]["median"]
-    for name in names:
-        t = timings[name]["decode"]["median"]
-        row: dict[str, Any] = {"label": _label(name, plans.get(name), k_orig),
-                               **({"k": uniform_k} if name == "uniform" else {}),
-                               "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.sequences / t,
-                               "prefill_seconds": timings[name]["prefill"]["median"], "decode_speedup": t_full / t}
-        if name in counted:
-            c = counted[name]
-            row.update({key: c[key] for key in ("activations_per_token", "distinct_experts_per_step",
-                                                 "max_distinct_experts_per_step", "distinct_experts_per_layer")})
-            if c["top1_outside_chosen_rate"] is not None:
-                row["top1_outside_chosen_rate"] = c["top1_outside_chosen_rate"]
-            row["counted_steps_match_timed"] = bool(torch.equal(c["tokens"], timed_tokens[name]))
-            if name != "full":
-                b = decode_fraction[name]
-                row["decode_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
-                row["decode_share_of_ideal_gain"] = share_of_ideal_gain(t_full, t, t_off, b)
-                row["decode_share_of_ideal_gain_paired"] = _paired_share(samples, "decode", name, b)
-        configurations[name] = row
-    result["configurations"] = configurations
-    if twin:
+    result["configurations"] = {name: _configuration_row(name, lineup, rounds, timings, decode_fraction, config,
+                                                         k_orig) for name in lineup.names}
+    if "twin" in lineup.names:
         result["substitute_cost"] = {
             phase: {"ratio": timings["plan"][phase]["median"] / timings["twin"][phase]["median"],
                     "ratio_paired": statistics.median(p / t for p, t in zip(samples["plan"][phase],
@@ -383,16 +406,42 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     result["timings_seconds"] = timings
     result["distinct_experts_per_decode_step"] = {"full": d_full, "plan": counted["plan"]["distinct_experts_per_step"],
                                                   "num_experts": fingerprint["num_experts"]}
-    result["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    result["environment"] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "allocmoe": __version__,
-        "python": platform.python_version()}
-    if synthetic:
-        result["note"] = "synthetic model with random weights: timings are real, quality numbers are meaningless"
     return result
+
+
+def _configuration_row(name: str, lineup: _Lineup, rounds: _Rounds, timings, decode_fraction: dict[str, float],
+                       config: BenchConfig, k_orig: int) -> dict[str, Any]:
+    """One configuration's row of the side-by-side decode table (format_table)."""
+    t_full, t_off = timings["full"]["decode"]["median"], timings["off"]["decode"]["median"]
+    t = timings[name]["decode"]["median"]
+    row: dict[str, Any] = {"label": _label(name, lineup.plans.get(name), k_orig),
+                           **({"k": lineup.uniform_k} if name == "uniform" else {}),
+                           "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.sequences / t,
+                           "prefill_seconds": timings[name]["prefill"]["median"], "decode_speedup": t_full / t}
+    if name in lineup.counted:
+        c = lineup.counted[name]
+        row.update({key: c[key] for key in ("activations_per_token", "distinct_experts_per_step",
+                                             "max_distinct_experts_per_step", "distinct_experts_per_layer")})
+        if c["top1_outside_chosen_rate"] is not None:
+            row["top1_outside_chosen_rate"] = c["top1_outside_chosen_rate"]
+        row["counted_steps_match_timed"] = bool(torch.equal(c["tokens"], rounds.tokens[name]))
+        if name != "full":
+            b = decode_fraction[name]
+            row["decode_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
+            row["decode_share_of_ideal_gain"] = share_of_ideal_gain(t_full, t, t_off, b)
+            row["decode_share_of_ideal_gain_paired"] = _paired_share(rounds.samples, "decode", name, b)
+    return row
+
+
+def _environment(model, device: torch.device) -> dict[str, Any]:
+    """Where the timings were taken: device, dtype, threads and library versions."""
+    from ..version import __version__
+
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu ({platform.processor() or platform.machine()})",
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "allocmoe": __version__, "python": platform.python_version()}
 
 
 def _paired_share(samples, phase: str, name: str, fraction: float) -> float | None:
