@@ -195,9 +195,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     windows = distinct_windows(model, tokenizer, calib_text, config)
     fill = check_decode_batch(windows, config.decode_batch)
     routed = torch.cat([windows, windows[:fill]]) if fill else windows                 # [N + fill, S]
-    calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
-                   "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
-                   "top_up_windows": fill, "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens}
+    calibration = _calibration(calib_name, calib_text, windows, fill, config)
     started = time.time()
     unrestricted, union_mean, union_max = measure_union(model, windows, config.decode_batch)
     if on_union is not None:
@@ -212,34 +210,19 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     todo = [cell for cell in cells if _key(cell) not in done]
     run = _cell_run(model, windows, routed, config, fingerprint, todo)
     if config.progress:
-        print(f"distinct profile: {len(cells)} cells ({len(todo)} to run) over {num_layers} MoE layers, "
-              f"{calibration['tokens_scored']} calibration tokens at decode batch {config.decode_batch}, about "
-              f"{run.planned_passes() / max(1, routed.numel() * run.num_decoder_layers):.0f} full-pass equivalents",
-              file=sys.stderr)
+        _announce(len(cells), len(todo), num_layers, calibration["tokens_scored"], config, run, routed.numel())
     bar = CellBar(total=len(cells), initial=len(cells) - len(todo), desc="distinct profile", unit="cell",
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                   disable=not config.progress, work_total=run.planned_passes())
-    arrivals = run.cells(bar)
     try:
-        for cell, ppl in arrivals:
-            done[_key(cell)] = ppl
-            if resume:
-                atomic_write_json(resume, {"key": run_key, "cells": done})
-            bar.update(1)
-    except KeyboardInterrupt as exc:
-        if resume is None or not done or isinstance(exc, Interrupted):
-            raise
-        raise Interrupted(f"{len(done)} of {len(cells)} distinct-profile cells kept in {resume}") from exc
+        _score_cells(run, bar, len(cells), done, resume, run_key)
     finally:
-        arrivals.close()
         bar.close()
         run.release()
 
-    sensitivity = []
-    for position, grid in enumerate(grids):
-        points = [(m, done[_key((position, m))]) for m in grid] + [(min(union_max[position], num_experts),
-                                                                   unrestricted)]
-        sensitivity.append(_interpolated(points, num_experts))
+    sensitivity = [_interpolated([(m, done[_key((position, m))]) for m in grid]
+                                 + [(min(union_max[position], num_experts), unrestricted)], num_experts)
+                   for position, grid in enumerate(grids)]
     profile = {
         "kind": PROFILE_KIND, "model": fingerprint, "decode_batch": config.decode_batch, "k_floor": config.k_floor,
         "num_experts": num_experts, "metric": "perplexity", "calibration": calibration,
@@ -253,6 +236,40 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     if resume and resume.exists():
         resume.unlink()
     return profile
+
+
+def _calibration(calib_name: str, calib_text: str, windows: torch.Tensor, fill: int,
+                 config: DistinctConfig) -> dict[str, Any]:
+    """The profile's `calibration` facts (the file keeps the key `max_tokens` for --calib-tokens)."""
+    return {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
+            "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
+            "top_up_windows": fill, "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens}
+
+
+def _announce(cells: int, todo: int, num_layers: int, tokens: int, config: DistinctConfig, run, routed: int) -> None:
+    """The line on stderr that says how much work the distinct profile is, before it starts."""
+    print(f"distinct profile: {cells} cells ({todo} to run) over {num_layers} MoE layers, "
+          f"{tokens} calibration tokens at decode batch {config.decode_batch}, about "
+          f"{run.planned_passes() / max(1, routed * run.num_decoder_layers):.0f} full-pass equivalents",
+          file=sys.stderr)
+
+
+def _score_cells(run, bar, total: int, done: dict[str, float], resume: Path | None, run_key) -> None:
+    """Take each cell's perplexity as it arrives into `done`, kept in the resume file after each; a
+    Ctrl-C with cells kept becomes Interrupted, naming them."""
+    arrivals = run.cells(bar)
+    try:
+        for cell, ppl in arrivals:
+            done[_key(cell)] = ppl
+            if resume:
+                atomic_write_json(resume, {"key": run_key, "cells": done})
+            bar.update(1)
+    except KeyboardInterrupt as exc:
+        if resume is None or not done or isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(f"{len(done)} of {total} distinct-profile cells kept in {resume}") from exc
+    finally:
+        arrivals.close()
 
 
 def _interpolated(points: list[tuple[int, float]], num_experts: int) -> list[float]:

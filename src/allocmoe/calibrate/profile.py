@@ -137,14 +137,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
         model = spec.skeleton()                      # the layout, no weights: loaded below once the work is known
     fingerprint = with_weights(model_fingerprint(model), spec if spec is not None else model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
-    seq_len = window_len(model, config.seq_len)
-    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.calib_tokens,      # the default: "up to"
-                               beyond=None if config.calib_tokens == ProfileConfig.calib_tokens
-                               else "calib_tokens (--calib-tokens)")
-    check_batch_size(windows, config.windows_per_pass)
-    calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
-                   "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
-                   "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens, "batch_size": config.windows_per_pass}
+    windows, calibration = _calibration(model, tokenizer, calib_text, calib_name, config)
     run_key = {"model": fingerprint, "calibration": calibration}
 
     partial_path = Path(f"{output}.partial.json") if output else None
@@ -152,8 +145,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     configs = profile_cells(num_layers, k_orig)
     todo = [cfg for cfg in configs if _key(cfg) not in done]
 
-    started = time.time()
-    onloaded = None
+    started, onloaded = time.time(), None
     if config.ray is not None:
         run = _ray_run(spec, windows, config, fingerprint, todo)
     elif spec is not None and todo:
@@ -163,21 +155,9 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     bar = CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                   disable=not config.progress, work_total=run.planned_passes())
-    arrivals = run.cells(bar)
     try:
-        for cfg, ppl in arrivals:
-            done[_key(cfg)] = ppl
-            if partial_path:
-                atomic_write_json(partial_path, {"key": run_key, "cells": done})
-            bar.update(1)
-            if on_cell:
-                on_cell(*configs[cfg][0])
-    except KeyboardInterrupt as exc:
-        if partial_path is None or not done or isinstance(exc, Interrupted):
-            raise
-        raise Interrupted(f"{len(done)} of {len(configs)} cells kept in {partial_path}") from exc
+        _score_cells(run, bar, configs, done, partial_path, run_key, on_cell)
     finally:
-        arrivals.close()                             # its workers stop before Ray does
         bar.close()
         run.release()
         if onloaded is not None:
@@ -200,6 +180,40 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
         if partial_path and partial_path.exists():
             partial_path.unlink()
     return profile
+
+
+def _calibration(model, tokenizer, calib_text: str, calib_name: str, config: ProfileConfig):
+    """(windows, the profile's `calibration` facts): the text cut into windows, refused when too short
+    for a window, for --calib-tokens (beyond the default's "up to") or for --windows-per-pass. The
+    file keeps its keys `max_tokens` and `batch_size` (formats.Calibration)."""
+    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_tokens,
+                               beyond=None if config.calib_tokens == ProfileConfig.calib_tokens  # the default: "up to"
+                               else "calib_tokens (--calib-tokens)")
+    check_batch_size(windows, config.windows_per_pass)
+    return windows, {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
+                     "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
+                     "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens,
+                     "batch_size": config.windows_per_pass}
+
+
+def _score_cells(run, bar, configs, done: dict[str, float], partial_path, run_key, on_cell) -> None:
+    """Take each cell's perplexity as it arrives into `done`, kept in the partial file after each; a
+    Ctrl-C with cells kept becomes Interrupted, naming them."""
+    arrivals = run.cells(bar)
+    try:
+        for cfg, ppl in arrivals:
+            done[_key(cfg)] = ppl
+            if partial_path:
+                atomic_write_json(partial_path, {"key": run_key, "cells": done})
+            bar.update(1)
+            if on_cell:
+                on_cell(*configs[cfg][0])
+    except KeyboardInterrupt as exc:
+        if partial_path is None or not done or isinstance(exc, Interrupted):
+            raise
+        raise Interrupted(f"{len(done)} of {len(configs)} cells kept in {partial_path}") from exc
+    finally:
+        arrivals.close()                             # its workers stop before Ray does
 
 
 def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) -> None:

@@ -67,11 +67,10 @@ def _whole(text: str, least: int) -> int:
     return value
 
 
-def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
+def add_alias(p, old: str, new: str, dest: str, type=None, metavar: str | None = None) -> None:
     """`old`, the deprecated spelling of `new`: still taken (a warning line when used), shown in --help as such."""
     p.add_argument(old, dest=dest, action=Deprecated, new=new, type=type, default=argparse.SUPPRESS,
-                   metavar=new.lstrip("-").upper().replace("-", "_") if type is not None else None,
-                   help=f"deprecated; use {new}")
+                   metavar=metavar, help=f"deprecated; use {new}")
 
 
 def add_model_flags(p, batch_size: int = 4, batch_help: str = "windows per forward pass",
@@ -83,7 +82,7 @@ def add_model_flags(p, batch_size: int = 4, batch_help: str = "windows per forwa
     dest = batch_flag.lstrip("-").replace("-", "_")
     p.add_argument(batch_flag, dest=dest, type=positive_int, default=batch_size, metavar="N",
                    help=f"{batch_help} (default {batch_size})")
-    add_alias(p, "--batch-size", batch_flag, dest, type=positive_int)
+    add_alias(p, "--batch-size", batch_flag, dest, type=positive_int, metavar="N")
     p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: min(2048, model limit))")
 
 

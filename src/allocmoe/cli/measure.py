@@ -15,8 +15,12 @@ from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_mo
 
 
 def add_parsers(sub) -> None:
-    from ..calibrate.methods import METHODS
+    """The measuring commands' parsers: eval, sweep, compare, analyze, bench."""
+    for add in (_add_eval, _add_sweep, _add_compare, _add_analyze, _add_bench):
+        add(sub)
 
+
+def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="perplexity with or without a plan")
     add_model_flags(p)
     p.add_argument("--plan", default=None, help="plan JSON to apply (default: the unmodified model)")
@@ -29,6 +33,10 @@ def add_parsers(sub) -> None:
     add_task_flags(p)
     add_quiet(p)
     p.set_defaults(func=cmd_eval, windows_per_pass=None)      # None: not given (4), so --decode-batch can refuse it
+
+
+def _add_sweep(sub) -> None:
+    from ..calibrate.methods import METHODS
 
     p = sub.add_parser("sweep", help="budgets x methods table with plots (the main job)")
     add_model_flags(p)
@@ -48,6 +56,8 @@ def add_parsers(sub) -> None:
     # None: not given (the defaults are filled in by cmd_sweep), so a flag no row would read is refused
     p.set_defaults(func=cmd_sweep, k_base=None, calib_tokens=None, prefix_cache=None)
 
+
+def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="paired task-accuracy difference of two `eval --tasks` results")
     p.add_argument("a", help="eval JSON (from `allocmoe eval --tasks ... --output FILE`)")
     p.add_argument("b", help="eval JSON of the same tasks, e.g. another plan")
@@ -55,6 +65,8 @@ def add_parsers(sub) -> None:
     add_output(p, "also write the comparison JSON here", old="--output-json")
     p.set_defaults(func=cmd_compare)
 
+
+def _add_analyze(sub) -> None:
     p = sub.add_parser("analyze", help="experts vs routing entropy, expert load vs the unmodified model")
     add_model_flags(p)
     p.add_argument("--plan", required=True, help="plan JSON to analyse")
@@ -65,6 +77,8 @@ def add_parsers(sub) -> None:
     add_quiet(p)
     p.set_defaults(func=cmd_analyze)
 
+
+def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
     add_model_flags(p, batch_size=1, batch_help="sequences decoded side by side (a decode step routes one "
                     "token of each)", batch_flag="--sequences")
@@ -127,7 +141,7 @@ def cmd_eval(args) -> None:
 def cmd_sweep(args) -> None:
     """Every input is checked before the weights load (budgets, methods, tasks, the profile against the
     model's layout, --seq-len), and both texts' lengths before profiling or the first pass."""
-    from ..calibrate.methods import K_BASE_METHODS, PROFILE_METHODS, check_k_base
+    from ..calibrate.methods import PROFILE_METHODS, check_k_base
     from ..calibrate.profile import ProfileConfig, load_profile
     from .calibrate import refuse_unread
     from ..core.budget import Budget
@@ -138,14 +152,7 @@ def cmd_sweep(args) -> None:
     check_output_dir(args.output, inputs=sweep_inputs(args), names=sweep_names(args.profile))
     tasks = task_names(args)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    profiles = args.profile is None and any(m in PROFILE_METHODS + ("auto",) for m in methods)
-    reads = {"--profile": any(m in PROFILE_METHODS + ("auto",) for m in methods),
-             "--k-base": any(m in K_BASE_METHODS for m in methods),
-             "--calib-text": profiles or any(m in ("top-p", "naee", "auto") for m in methods),
-             "--no-prefix-cache": profiles}
-    reads["--calib-tokens"] = reads["--calib-text"]
-    given = {"--profile": args.profile, "--k-base": args.k_base, "--calib-text": args.calib_text,
-             "--calib-tokens": args.calib_tokens, "--no-prefix-cache": args.prefix_cache}
+    reads, given = _sweep_reads(args, methods)
     args.k_base = 1 if args.k_base is None else args.k_base
     args.calib_tokens = 8192 if args.calib_tokens is None else args.calib_tokens
     args.prefix_cache = args.prefix_cache is not False
@@ -245,6 +252,21 @@ BENCH_READERS = {
     "--method": ("", "only --budget makes a plan with a method; --plan and --max-distinct-experts bring their own"),
     "--k-base": ("", "only --budget with --method alloc-t runs Alloc-T, whose tokens each keep k_base experts"),
 }
+
+
+def _sweep_reads(args, methods: tuple[str, ...]) -> tuple[dict[str, bool], dict[str, object]]:
+    """(which of SWEEP_READERS' flags some row of `methods` reads, those flags as given: None when not)."""
+    from ..calibrate.methods import K_BASE_METHODS, PROFILE_METHODS
+
+    profiles = args.profile is None and any(m in PROFILE_METHODS + ("auto",) for m in methods)
+    reads = {"--profile": any(m in PROFILE_METHODS + ("auto",) for m in methods),
+             "--k-base": any(m in K_BASE_METHODS for m in methods),
+             "--calib-text": profiles or any(m in ("top-p", "naee", "auto") for m in methods),
+             "--no-prefix-cache": profiles}
+    reads["--calib-tokens"] = reads["--calib-text"]
+    given = {"--profile": args.profile, "--k-base": args.k_base, "--calib-text": args.calib_text,
+             "--calib-tokens": args.calib_tokens, "--no-prefix-cache": args.prefix_cache}
+    return reads, given
 
 
 class _Shape:

@@ -38,19 +38,13 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
 
     Every input is checked before the weights load (text, plan file, model folder, the plan and
     `seq_len` against the model's layout, task names), and the text's length before the first pass."""
-    from ...core.config import check_argument
     from .harness import check_task_options
 
-    if isinstance(tasks, str):
-        raise AllocMoeError(f"evaluate_model: tasks must be a list of task names, got the string {tasks!r}; give "
-                            f"[{tasks!r}]")
-    check_argument("evaluate_model", "trust_remote_code", trust_remote_code, bool)
-    check_argument("evaluate_model", "tasks", tasks, list[str] | tuple[str, ...] | None, "a list of task names")
-    check_argument("evaluate_model", "task_options", task_options, dict | None, "a dict of lm-eval options")
+    _check_arguments(trust_remote_code, tasks, task_options)
     config = _scoring_config(config, {"seq_len": seq_len, "eval_tokens": eval_tokens,
                                       "windows_per_pass": windows_per_pass, "progress": progress,
                                       "decode_batch": decode_batch}, deprecated)
-    seq_len, decode_batch = config.seq_len, config.decode_batch
+    decode_batch = config.decode_batch
     options = dict(task_options or {})
     check_task_options(tasks, **options)
     body, text_name = read_text(text, "test")
@@ -59,19 +53,7 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
 
         plan = as_plan(plan, "evaluate_model")
     spec = inspect_model(model, trust_remote_code)
-    skeleton = spec.skeleton()
-    window = window_len(skeleton, seq_len)
-    if plan is not None:
-        check_plan(plan, skeleton)
-    if tasks:
-        from .harness import check_tasks
-
-        check_tasks(tasks, options.get("include_path"))
-    windows = tokenize_windows(spec.tokenizer(), body, window, config.eval_tokens,  # too short: before the weights
-                               beyond="eval_tokens (--eval-tokens)")
-    if decode_batch is None:
-        check_batch_size(windows, config.windows_per_pass)
-    fill = check_decode_batch(windows, decode_batch)
+    windows, fill = _checked_against_model(spec, plan, body, tasks, options, config)
     net, tok = spec.load()
     fingerprint = model_fingerprint(net)
     full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
@@ -99,6 +81,37 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
             "budget_fraction_measured": measured / full, "activations_per_layer": per_layer, **steps,
             "plan": None if plan is None else {"method": plan.method, "budget": plan.budget},
             "text": text_name, "model": fingerprint}
+
+
+def _check_arguments(trust_remote_code, tasks, task_options) -> None:
+    """evaluate_model's arguments that are not the scoring config, by type."""
+    from ...core.config import check_argument
+
+    if isinstance(tasks, str):
+        raise AllocMoeError(f"evaluate_model: tasks must be a list of task names, got the string {tasks!r}; give "
+                            f"[{tasks!r}]")
+    check_argument("evaluate_model", "trust_remote_code", trust_remote_code, bool)
+    check_argument("evaluate_model", "tasks", tasks, list[str] | tuple[str, ...] | None, "a list of task names")
+    check_argument("evaluate_model", "task_options", task_options, dict | None, "a dict of lm-eval options")
+
+
+def _checked_against_model(spec, plan, body: str, tasks, options: dict, config: PerplexityConfig):
+    """Before the weights load: the plan and --seq-len against the model's layout, the task names, the
+    text cut into windows (long enough, and enough windows for --windows-per-pass or --decode-batch).
+    Returns (windows, the top-up windows a decode batch adds)."""
+    skeleton = spec.skeleton()
+    window = window_len(skeleton, config.seq_len)
+    if plan is not None:
+        check_plan(plan, skeleton)
+    if tasks:
+        from .harness import check_tasks
+
+        check_tasks(tasks, options.get("include_path"))
+    windows = tokenize_windows(spec.tokenizer(), body, window, config.eval_tokens,  # too short: before the weights
+                               beyond="eval_tokens (--eval-tokens)")
+    if config.decode_batch is None:
+        check_batch_size(windows, config.windows_per_pass)
+    return windows, check_decode_batch(windows, config.decode_batch)
 
 
 _DEFAULTS = {"seq_len": None, "eval_tokens": None, "windows_per_pass": 4, "progress": True, "decode_batch": None}
