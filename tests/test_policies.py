@@ -85,7 +85,7 @@ def test_prefix_mask():
 
 
 @pytest.mark.parametrize("entry,message", [
-    ({"policy": "top-k", "k": 7}, "k in [1, 6]"),
+    ({"policy": "top-k", "k": 7}, "k 7 is above k_orig 6"),
     ({"policy": "top-k", "k": 0}, "k: Input should be greater than or equal to 1"),
     ({"policy": "top-k", "k": 2.5}, "k: must be a whole number, got 2.5"),
     ({"policy": "top-k", "k": True}, "k: must be a number, got True"),
