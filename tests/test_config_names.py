@@ -88,3 +88,19 @@ def test_a_config_the_cli_builds_is_refused_in_one_line_with_exit_2(capsys, tmp_
     assert exc.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "--ray and --max-memory cannot be combined" in err[0], err
+
+
+def test_evaluate_model_takes_its_scoring_settings_as_one_config_or_as_keywords(tiny_folder):
+    from allocmoe import evaluate_model
+
+    with pytest.raises(AllocMoeError, match=re.escape("eval_tokens (--eval-tokens) must be a whole number >= 1")):
+        evaluate_model(tiny_folder, config={"eval_tokens": 0})
+    with pytest.raises(AllocMoeError, match=re.escape("got config= and ['windows_per_pass']")):
+        evaluate_model(tiny_folder, config=PerplexityConfig(), windows_per_pass=2)
+    with pytest.raises(AllocMoeError, match="under the old and the new name"):
+        evaluate_model(tiny_folder, eval_tokens=64, max_tokens=64)
+    with pytest.raises(AllocMoeError, match=re.escape("unexpected keyword(s) ['colour']")):
+        evaluate_model(tiny_folder, colour=1)
+    with pytest.warns(DeprecationWarning, match="use eval_tokens="), \
+            pytest.raises(AllocMoeError, match=re.escape("eval_tokens (--eval-tokens)")):
+        evaluate_model(tiny_folder, max_tokens=-3, progress=False)
