@@ -51,7 +51,7 @@ def counted_work(shape: str, tokens: int, seq_len: int, batch_size: int) -> None
 def measured_time(calib_tokens: int, rounds: int) -> None:
     model, tok = load_model()
     text, name = read_text(None, "calibration")
-    settings = {"max_tokens": calib_tokens, "progress": False}
+    settings = {"calib_tokens": calib_tokens, "progress": False}
     fp = model_fingerprint(model)
     print(f"built-in model ({model.config.model_type}, {model.config.num_hidden_layers} decoder layers, "
           f"{fp['num_moe_layers']} MoE, top-{fp['k_orig']} of {fp['num_experts']}), fp32 on CPU; "

@@ -293,7 +293,7 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: AllocateConfig(windows_per_pass=True), "windows_per_pass (--windows-per-pass) must be a whole number"),
         (lambda: AllocateConfig(batch_size=2.0), "windows_per_pass (--windows-per-pass) must be a whole number"),
         (lambda: AllocateConfig(calib_tokens=-5), "calib_tokens (--calib-tokens) must be a whole number >= 2"),
-        (lambda: AllocateConfig(calib_max_tokens=nan), "calib_tokens (--calib-tokens) must be a whole number"),
+        (lambda: AllocateConfig(calib_tokens=nan), "calib_tokens (--calib-tokens) must be a whole number"),
         (lambda: AllocateConfig(k_base=-1), "k_base (--k-base) must be a whole number >= 0"),
         (lambda: AllocateConfig(k_base="2"), "k_base (--k-base) must be a whole number"),
         (lambda: AllocateConfig(pool="tokens"), "pool (--pool) must be 'batch' or 'sequence'"),

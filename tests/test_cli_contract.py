@@ -485,7 +485,7 @@ def files(tmp_path_factory, tiny_folder):
     static_plan(other, [2, 2, 2]).save(root / "other_plan.json")
     text, _ = read_text(None, "calibration")
     atomic_write_json(root / "other_profile.json", profile_sensitivity(
-        other, tok, text, {"seq_len": 16, "max_tokens": 64, "batch_size": 4, "progress": False}))
+        other, tok, text, {"seq_len": 16, "calib_tokens": 64, "windows_per_pass": 4, "progress": False}))
 
     weights = (tiny_folder / "model.safetensors").read_bytes()
     config = json.loads((tiny_folder / "config.json").read_text())
@@ -583,7 +583,7 @@ def test_allocate_checks_a_profile_against_the_model_without_loading_the_weights
     model, tok = load_model(tiny_folder)
     text, _ = read_text(None, "calibration")
     own = tmp_path / "profile.json"
-    atomic_write_json(own, profile_sensitivity(model, tok, text, {"seq_len": 16, "max_tokens": 64, "progress": False}))
+    atomic_write_json(own, profile_sensitivity(model, tok, text, {"seq_len": 16, "calib_tokens": 64, "progress": False}))
 
     def no_weights(self, *args, **kwargs):
         raise AssertionError("the weights were loaded")

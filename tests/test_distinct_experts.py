@@ -345,7 +345,7 @@ def test_eval_decode_batch_routes_every_token_as_the_batched_engine_does(tiny, p
 def test_eval_decode_batch_tops_up_the_last_pass_and_scores_each_window_once(tiny):
     model, tok = tiny
     windows = torch.randint(1, len(tok), (5, 12), generator=torch.Generator().manual_seed(2))
-    plain = evaluate_perplexity(model, tok, "", {"batch_size": 5, "progress": False}, windows=windows)
+    plain = evaluate_perplexity(model, tok, "", {"windows_per_pass": 5, "progress": False}, windows=windows)
     batched = evaluate_perplexity(model, tok, "", {"decode_batch": 3, "progress": False}, windows=windows)
     assert batched.tokens == plain.tokens == 5 * 11 and batched.windows == 5
     assert batched.nll == pytest.approx(plain.nll, rel=1e-5)               # unmodified model: grouping is free

@@ -13,7 +13,7 @@ from allocmoe.calibrate.profile import profile_cells, profile_sensitivity
 from conftest import FAMILIES, KillAfter, build_tiny, relative_difference
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
-CFG = {"seq_len": 32, "max_tokens": 256, "batch_size": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
+CFG = {"seq_len": 32, "calib_tokens": 256, "windows_per_pass": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
 
 
 def tiny(family, tok, num_layers=4):
