@@ -2,7 +2,6 @@
 `windows_per_pass` (profile/eval batch) and bench's `sequences`, with the old names still taken as
 deprecated aliases that warn and name the new one."""
 
-import dataclasses
 import re
 
 import pytest
@@ -42,7 +41,15 @@ def test_an_old_field_name_still_works_and_warns_naming_the_new_one(cls, old, ne
         assert checked_config(cls, {old: value}) == config       # a dict with the old key, as allocate(config=) takes
     with pytest.raises(AllocMoeError, match=f"got both {old} and {new}"):
         cls(**{old: value, new: value})
-    assert old not in {f.name for f in dataclasses.fields(cls)}   # one field, under the new name
+    assert old not in cls.model_fields and new in cls.model_fields   # one field, under the new name
+
+
+def test_every_config_is_a_strict_pydantic_model_that_forbids_extra_fields():
+    from pydantic import BaseModel
+
+    for cls in (ProfileConfig, AllocateConfig, DistinctConfig, PerplexityConfig, SweepConfig, BenchConfig):
+        assert issubclass(cls, BaseModel) and cls.model_config["extra"] == "forbid" and cls.model_config["strict"]
+        assert cls().model_dump() == cls(**cls().model_dump()).model_dump()        # a dump makes the same config
 
 
 def test_the_new_names_are_checked_with_the_cli_flag_in_the_message():

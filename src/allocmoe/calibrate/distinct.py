@@ -36,14 +36,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..core.budget import read_fraction_or_count, round_half_up
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint
 from ..routing.layout import model_fingerprint
@@ -59,8 +59,10 @@ from .profile import resumed_cells, with_weights
 PROFILE_KIND = "distinct"
 
 
-@config_class(aliases={"calib_max_tokens": "calib_tokens"})
-class DistinctConfig:
+class DistinctConfig(Config):
+    """How the distinct-expert profile is measured: the decode batch it bounds, its grid, calibration."""
+    __config_aliases__ = {"calib_max_tokens": "calib_tokens"}     # deprecated names
+
     decode_batch: int = 16          # sequences decoded side by side: the step whose experts the budget bounds
     k_floor: int = 1                # each token's top experts chosen before any others (DistinctExperts)
     calib_tokens: int = 8192        # calibration tokens scored per cell
@@ -229,7 +231,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
         "unrestricted_perplexity": unrestricted, "union_mean": union_mean, "union_max": union_max,
         "measured": grids, "sensitivity": sensitivity,
         "provenance": {"cells": len(cells), "cells_resumed": len(cells) - len(todo),
-                       "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
+                       "seconds_this_run": round(time.time() - started, 1), "config": config.model_dump(),
                        "torch_threads": torch.get_num_threads(),
                        **_with_unrestricted(run.provenance(), routed.numel())},
     }

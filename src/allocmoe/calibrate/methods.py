@@ -27,7 +27,7 @@ calibration text: their real cost drifts with the input, so always report measur
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+
 from typing import Any, MutableMapping
 
 import torch
@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config, replaced
 from ..errors import AllocMoeError
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.plan import Plan, check_fingerprint
@@ -49,10 +49,11 @@ METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "d
 CONFIG_METHODS = ("uniform", "ascending", "descending", "alloc-t")    # the model's config is all they read
 
 
-@config_class(aliases={"calib_max_tokens": "calib_tokens", "batch_size": "windows_per_pass"},
-              flags={"lexi_samples": "AllocateConfig.lexi_samples",
-                  "seed": "AllocateConfig.seed"})
-class AllocateConfig:
+class AllocateConfig(Config):
+    """How a plan is made from a budget: Alloc-T's settings, calibration, and the add-ons."""
+    __config_aliases__ = {"calib_max_tokens": "calib_tokens", "batch_size": "windows_per_pass"}   # deprecated
+    __config_flags__ = {"lexi_samples": "AllocateConfig.lexi_samples", "seed": "AllocateConfig.seed"}   # no flag
+
     k_base: int = 1                 # Alloc-T: experts every token keeps (the paper's default, near-best)
     pool: str = "batch"             # Alloc-T pool: "batch" (all tokens of a pass) or "sequence"
     calib_tokens: int = 8192        # calibration tokens for top-p/naee thresholds and auto's trials
@@ -66,7 +67,7 @@ class AllocateConfig:
     substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
                                     # on the shipped models rank 8 kept half the loss the means left (quality.md)
 
-    def __post_init__(self):        # types are checked by @config_class before this runs
+    def __post_init__(self):        # types are checked by Config.__init__ before this runs
         if self.pool not in ("batch", "sequence"):
             raise AllocMoeError(f"pool (--pool) must be 'batch' or 'sequence', got {self.pool!r}; give one of those")
         check_counts(self, {"k_base": 0, "calib_tokens": 2, "seq_len": 2, "windows_per_pass": 1, "lexi_samples": 1,
@@ -166,7 +167,7 @@ class _CandidateRecorder:
 def _calibration_windows(model, tokenizer, calib_text: str | None, config: AllocateConfig) -> torch.Tensor:
     if calib_text is None or tokenizer is None:
         raise AllocMoeError("this method needs calibration text and a tokenizer")
-    default = AllocateConfig.__dataclass_fields__["calib_tokens"].default     # "up to": a shorter text is fine
+    default = AllocateConfig.model_fields["calib_tokens"].default     # "up to": a shorter text is fine
     windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_tokens,
                                beyond=None if config.calib_tokens == default
                                else "calib_tokens (--calib-tokens)")
@@ -462,8 +463,6 @@ def _allocate_plain(budget, method: str, profile, model, tokenizer, calib_text, 
 def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, calib_text,
                          config: AllocateConfig) -> Plan:
     """Bisect over whole budgets for the smallest whose `method` plan meets the target (calibrate/target.py)."""
-    from dataclasses import replace
-
     from .target import parse_target, smallest_budget, target_provenance
 
     if model is None:
@@ -475,7 +474,7 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
     target = parse_target(target_ppl, full_ppl)
     fingerprint = _fingerprint(profile, model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
-    inner = replace(config, progress=False)          # one bar for the search, none per step
+    inner = replaced(config, progress=False)          # one bar for the search, none per step
     plans: dict[int, Plan] = {}
     steps = max(1, math.ceil(math.log2(num_layers * (k_orig - 1) + 1))) + 1
     bar = tqdm(total=steps, desc=f"target ppl {target:.4g}", unit="budget", disable=not config.progress)
@@ -515,7 +514,7 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
     with tqdm(total=len(candidates) * len(modes), desc="auto", unit="trial", disable=not config.progress) as bar:
         for method, k_base in candidates:
             trial_k_base = config.k_base if k_base is None else k_base
-            trial_config = AllocateConfig(**{**asdict(config), "k_base": trial_k_base, "substitute": False,
+            trial_config = AllocateConfig(**{**config.model_dump(), "k_base": trial_k_base, "substitute": False,
                                              "refine": 0})
             for with_means in modes:
                 bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else "")
@@ -533,7 +532,7 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
                                               "substitute": best["substitute"]},
                                    "trials": [{k: v for k, v in t.items() if k != "plan"} for t in trials]}}
     if refine:
-        chosen_config = AllocateConfig(**{**asdict(config), "k_base": config.k_base if best["k_base"] is None
+        chosen_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if best["k_base"] is None
                                           else best["k_base"]})
         plan = _refined(plan, model, windows, chosen_config, refine, refine_memo)
     return plan

@@ -41,14 +41,13 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..routing.apply import static_plan
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..errors import AllocMoeError, Interrupted
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
@@ -64,8 +63,10 @@ from .walk import WalkRun, memory_plan, whole_model_facts
 
 
 
-@config_class(aliases={"max_tokens": "calib_tokens", "batch_size": "windows_per_pass"})
-class ProfileConfig:
+class ProfileConfig(Config):
+    """How the sensitivity profile is measured: calibration windows, batching, and where it runs."""
+    __config_aliases__ = {"max_tokens": "calib_tokens", "batch_size": "windows_per_pass"}   # deprecated names
+
     seq_len: int | None = None     # calibration window; None = min(2048, the model's position limit)
     calib_tokens: int = 8192       # calibration tokens scored per configuration (the paper does not say)
     windows_per_pass: int = 4      # windows per forward pass
@@ -171,7 +172,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
         "format_version": FORMAT_VERSION, "model": fingerprint, "k_orig": k_orig, "num_layers": num_layers,
         "metric": "perplexity", "calibration": calibration, "sensitivity": sensitivity,
         "provenance": {"configurations_run": len(configs), "configurations_resumed": len(configs) - len(todo),
-                       "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
+                       "seconds_this_run": round(time.time() - started, 1), "config": config.model_dump(),
                        "torch_threads": config.threads_per_worker if config.ray is not None else torch.get_num_threads(),
                        **run.provenance()},
     }
@@ -186,9 +187,9 @@ def _calibration(model, tokenizer, calib_text: str, calib_name: str, config: Pro
     """(windows, the profile's `calibration` facts): the text cut into windows, refused when too short
     for a window, for --calib-tokens (beyond the default's "up to") or for --windows-per-pass. The
     file keeps its keys `max_tokens` and `batch_size` (formats.Calibration)."""
+    default = ProfileConfig.model_fields["calib_tokens"].default      # "up to": a shorter text is fine
     windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_tokens,
-                               beyond=None if config.calib_tokens == ProfileConfig.calib_tokens  # the default: "up to"
-                               else "calib_tokens (--calib-tokens)")
+                               beyond=None if config.calib_tokens == default else "calib_tokens (--calib-tokens)")
     check_batch_size(windows, config.windows_per_pass)
     return windows, {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
                      "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),

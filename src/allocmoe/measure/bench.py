@@ -36,14 +36,14 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from ..core.budget import read_fraction_or_count, round_half_up
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..core.memory import check_free_memory
 from ..core.plan import Plan
 from ..core.policies import DistinctExperts
@@ -51,15 +51,17 @@ from ..errors import AllocMoeError
 from ..routing.apply import allocmoe_experts, apply_plan, distinct_plan, routed_experts_off, static_plan
 
 
-@config_class(aliases={"batch_size": "sequences"})
-class BenchConfig:
+class BenchConfig(Config):
+    """What a benchmark times: prompt and decode lengths, sequences side by side, rounds."""
+    __config_aliases__ = {"batch_size": "sequences"}     # deprecated names
+
     input_len: int = 256            # prompt tokens per sequence: the prefill's length
     output_len: int = 32            # decode steps timed per repeat: what a decode step's mean is taken over
     sequences: int = 1              # sequences decoded side by side (a decode step routes one token of each)
     repeats: int = 5                # timed rounds (in each, the configs take turns call by call): the medians' samples
     warmup: int = 1                 # untimed rounds first, so first-call costs stay out of the timings
 
-    def __post_init__(self):        # types are checked by @config_class before this runs
+    def __post_init__(self):        # types are checked by Config.__init__ before this runs
         check_counts(self, {"input_len": 1, "output_len": 1, "sequences": 1, "repeats": 1, "warmup": 0})
 
 
@@ -377,7 +379,7 @@ def _summarise(plan: Plan, config: BenchConfig, fingerprint: dict[str, Any], lin
                                                                 if isinstance(p, DistinctExperts)} or None},
                               "measured_activations_per_token": measured, "budget_fraction": fraction,
                               "decode_fraction": decode_fraction["plan"],
-                              "settings": asdict(config),
+                              "settings": config.model_dump(),
                               "experts_kernel": None,
                               "ideal": {"formula": "t_full / (t_off + b * (t_full - t_off))",
                                         "prefill_b": "measured activations per token / (L * K)",

@@ -31,7 +31,7 @@ import platform
 import sys
 import time
 from contextlib import closing
-from dataclasses import asdict, field
+from pydantic import Field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,7 +42,7 @@ from tqdm import tqdm
 from ..version import __version__
 from ..routing.apply import apply_plan
 from ..core.budget import Budget
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..errors import AllocMoeError, Interrupted
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, json_safe, read_json
@@ -56,27 +56,28 @@ READS_PROFILE = ("alloc-moe", "alloc-l", "auto")     # the methods that read the
 ROWS_FILE = "rows.partial.json"                     # finished rows of a sweep not yet written out
 
 
-@config_class(aliases={"eval_max_tokens": "eval_tokens", "batch_size": "windows_per_pass"},
-              flags={"task_limit": "--limit",
-                     "threads_per_worker": "SweepConfig.threads_per_worker"})
-class SweepConfig:
+class SweepConfig(Config):
+    """The sweep's table (budgets x methods), how rows are scored, the profile's settings, where it runs."""
+    __config_aliases__ = {"eval_max_tokens": "eval_tokens", "batch_size": "windows_per_pass"}   # deprecated
+    __config_flags__ = {"task_limit": "--limit", "threads_per_worker": "SweepConfig.threads_per_worker"}
+
     budgets: tuple[str, ...] | list[str] = DEFAULT_BUDGETS   # "1/2", "0.5", "78": as `--budget` takes them
-    methods: tuple[str, ...] | list[str] = METHODS  # every method by default
+    methods: tuple[str, ...] | list[str] = METHODS  # the table's rows per budget: every method by default
     eval_tokens: int | None = 16384                 # test tokens scored per row (None = the whole text)
     seq_len: int | None = None                      # window for calibration and evaluation
     windows_per_pass: int = 4                       # windows per forward pass
     k_base: int = 1                                 # Alloc-T's k_base for alloc-moe and alloc-t
-    profile: ProfileConfig | dict = field(default_factory=ProfileConfig)   # calibration for profiling
-    progress: bool = True
+    profile: ProfileConfig | dict = Field(default_factory=ProfileConfig)   # calibration for profiling
+    progress: bool = True                           # one bar over the rows (stderr); False for scripts and logs
     tasks: tuple[str, ...] | list[str] = ()         # lm-eval tasks scored per row (needs allocmoe[eval])
     task_limit: int | None = None                   # lm-eval: at most N examples per task
-    num_fewshot: int | None = None
-    include_path: str | None = None
+    num_fewshot: int | None = None                  # lm-eval: few-shot examples (None: each task's own default)
+    include_path: str | None = None                 # lm-eval: a folder of extra task YAMLs
     ray: str | None = None                          # rows (and the profile) on Ray: 'local', 'auto' or an address
     ray_workers: int | None = None                  # Ray actors holding the model; None = the cluster's CPUs // threads
     threads_per_worker: int = 1                     # torch threads (and Ray CPUs) per actor
 
-    def __post_init__(self):        # types are checked by @config_class before this runs
+    def __post_init__(self):        # types are checked by Config.__init__ before this runs
         self.budgets, self.methods, self.tasks = tuple(self.budgets), tuple(self.methods), tuple(self.tasks)
         check_counts(self, {"eval_tokens": 1, "seq_len": 2, "windows_per_pass": 1, "k_base": 0, "task_limit": 1,
                             "num_fewshot": 0})           # the Ray fields: check_ray_fields below
@@ -270,7 +271,7 @@ def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_l
     needs_profile = any(m in READS_PROFILE for m in config.methods)
     if profile is not None or not needs_profile:
         return profile
-    profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len, "windows_per_pass": config.windows_per_pass,
+    profile_config = ProfileConfig(**{**config.profile.model_dump(), "seq_len": seq_len, "windows_per_pass": config.windows_per_pass,
                                       "progress": config.progress, "ray": config.ray,
                                       "ray_workers": config.ray_workers,
                                       "threads_per_worker": config.threads_per_worker})
@@ -400,7 +401,7 @@ def rows_key(fingerprint: dict[str, Any], calib_text: str, eval_windows: torch.T
     return {"model": fingerprint,
             "calibration_sha256": sha(calib_text.encode()),
             "evaluation": {"sha256": sha(windows.numpy().tobytes()), "shape": list(windows.shape)},
-            "allocate": asdict(alloc_config),
+            "allocate": alloc_config.model_dump(),
             "tasks": {"tasks": list(config.tasks), "limit": config.task_limit, "num_fewshot": config.num_fewshot,
                       "include_path": config.include_path},
             "allocmoe": __version__}

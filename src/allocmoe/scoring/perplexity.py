@@ -20,14 +20,16 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..errors import AllocMoeError
 
 MIN_TOKENS = 16
 
 
-@config_class(aliases={"max_tokens": "eval_tokens", "batch_size": "windows_per_pass"})
-class PerplexityConfig:
+class PerplexityConfig(Config):
+    """How a text is scored: its windows, how many tokens, how many windows per forward pass."""
+    __config_aliases__ = {"max_tokens": "eval_tokens", "batch_size": "windows_per_pass"}    # deprecated names
+
     seq_len: int | None = None      # window length; None = min(2048, the model's position limit)
     eval_tokens: int | None = None  # score only the first N tokens of the text (None = all of it)
     windows_per_pass: int = 4       # windows per forward pass (also the Alloc-T pool's extent)
