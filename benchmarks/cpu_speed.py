@@ -53,7 +53,7 @@ def main() -> None:
     model = build_synthetic(args.shape, args.num_layers)
     print(f"{args.shape}, {args.num_layers} layers, fp32, {torch.get_num_threads()} threads; "
           f"batch 1, prompt {args.input_len}, {args.output_len} decode steps, {args.repeats} repeats")
-    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=1, repeats=args.repeats)
+    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, sequences=1, repeats=args.repeats)
     results = {}
     plans = {m: allocate("0.5", m, model=model) for m in ("uniform", "alloc-t")}
     for method, plan in plans.items():
@@ -79,7 +79,7 @@ def main() -> None:
     print("  batch-8 decode, distinct routed experts per layer and step (of 64):")
     for budget in ("1/3", "1/2", "2/3", "1"):
         plan = allocate(budget, "alloc-t", model=model)
-        r = benchmark(model, plan, BenchConfig(input_len=32, output_len=4, batch_size=8, repeats=1, warmup=0),
+        r = benchmark(model, plan, BenchConfig(input_len=32, output_len=4, sequences=8, repeats=1, warmup=0),
                       synthetic=True, progress=False)
         d = distinct[budget] = r["distinct_experts_per_decode_step"]
         print(f"    B={budget:>3s}: {d['plan']:.1f} (full K: {d['full']:.1f})")

@@ -106,11 +106,11 @@ def run(args) -> dict:
 
     t0 = time.time()
     dprofile = distinct_profile(model, tok, calib, {"decode_batch": args.decode_batch, "seq_len": seq_len,
-                                                    "calib_max_tokens": args.calib_tokens, "m_step": args.m_step,
+                                                    "calib_tokens": args.calib_tokens, "m_step": args.m_step,
                                                     "progress": not args.quiet}, calib_name="builtin:calibration")
     distinct_seconds = time.time() - t0
     t0 = time.time()
-    aprofile = allocmoe.profile_sensitivity(model, tok, calib, {"max_tokens": args.calib_tokens, "seq_len": seq_len,
+    aprofile = allocmoe.profile_sensitivity(model, tok, calib, {"calib_tokens": args.calib_tokens, "seq_len": seq_len,
                                                                 "progress": not args.quiet},
                                             calib_name="builtin:calibration")
     alloc_l_seconds = time.time() - t0

@@ -124,7 +124,7 @@ def main() -> None:
           f"{args.output_len} decode steps, {args.repeats} rounds after {args.warmup} warm-up", file=sys.stderr)
     started, load_at_start = time.time(), os.getloadavg()[0]
     model = build_synthetic(args.shape, args.num_layers, dtype=dtype, device=args.device)
-    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
+    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, sequences=args.batch_size,
                          repeats=args.repeats, warmup=args.warmup)
     if args.packed_experts:
         pack_experts(model)                       # the packed copies live until the script exits

@@ -24,7 +24,7 @@ fi
 for method in uniform alloc-t; do
   for batch in $BATCHES; do
     python3 -m allocmoe bench --model synthetic:deepseek-v2-lite --budget 0.5 --method "$method" \
-      --batch-size "$batch" --input-len "$INPUT_LEN" --output-len 32 --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" \
+      --sequences "$batch" --input-len "$INPUT_LEN" --output-len 32 --repeats "$REPEATS" --device "$DEVICE" --dtype "$DTYPE" \
       --num-layers "$NUM_LAYERS" \
       --output "$OUT_DIR/dsv2lite_${method}_b${batch}.json" > /dev/null
   done
@@ -34,6 +34,6 @@ import glob, json, sys
 print(f"{'method':10s} {'batch':>5s} {'prefill':>8s} {'ideal':>6s} {'decode':>7s} {'ideal':>6s}   paper (H100): 1.15x prefill, 1.34x decode")
 for path in sorted(glob.glob(f"{sys.argv[1]}/dsv2lite_*.json")):
     r = json.load(open(path))
-    print(f"{r['plan']['method']:10s} {r['settings']['batch_size']:5d} {r['prefill_speedup']:7.3f}x {r['prefill_ideal_speedup']:5.2f}x "
+    print(f"{r['plan']['method']:10s} {r['settings'].get('sequences', r['settings'].get('batch_size')):5d} {r['prefill_speedup']:7.3f}x {r['prefill_ideal_speedup']:5.2f}x "
           f"{r['decode_speedup']:6.3f}x {r['decode_ideal_speedup']:5.2f}x   {r['environment']['device']}")
 PY

@@ -22,7 +22,7 @@ import torch
 from machine import cpu_name
 
 from allocmoe import load_model, model_fingerprint, profile_sensitivity, read_text
-from allocmoe.calibrate.prefix import layer_passes, naive_layer_passes, profile_schedule
+from allocmoe.calibrate.prefix import cell_schedule, layer_passes, naive_layer_passes, profile_start_layer
 from allocmoe.calibrate.profile import profile_cells
 from allocmoe.measure.synthetic import synthetic_config
 
@@ -40,9 +40,10 @@ def counted_work(shape: str, tokens: int, seq_len: int, batch_size: int) -> None
     print(f"{shape}: {config.num_hidden_layers} decoder layers, MoE layers {fp['moe_layers'][0]}..{fp['moe_layers'][-1]}"
           f", {fp['num_experts']} experts, top-{fp['k_orig']}; {len(configurations)} configurations; "
           f"{tokens} calibration tokens in windows of {seq_len}, batches of {batch_size}")
-    naive = naive_layer_passes(profile_schedule(configurations, fp["moe_layers"], config.num_hidden_layers,
-                                                fp["k_orig"], prefix_cache=False), tokens, config.num_hidden_layers)
-    steps = profile_schedule(configurations, fp["moe_layers"], config.num_hidden_layers, fp["k_orig"])
+    start_layer = profile_start_layer(fp["moe_layers"], fp["k_orig"])
+    naive = naive_layer_passes(cell_schedule(configurations, start_layer, config.num_hidden_layers, prefix_cache=False),
+                               tokens, config.num_hidden_layers)
+    steps = cell_schedule(configurations, start_layer, config.num_hidden_layers)
     cached = layer_passes(steps, tokens, min(seq_len, tokens))   # the check runs one window
     print(f"  decoder-layer passes: cached {cached:,}  naive {naive:,}  ratio {cached / naive:.3f}")
 
@@ -50,7 +51,7 @@ def counted_work(shape: str, tokens: int, seq_len: int, batch_size: int) -> None
 def measured_time(calib_tokens: int, rounds: int) -> None:
     model, tok = load_model()
     text, name = read_text(None, "calibration")
-    settings = {"max_tokens": calib_tokens, "progress": False}
+    settings = {"calib_tokens": calib_tokens, "progress": False}
     fp = model_fingerprint(model)
     print(f"built-in model ({model.config.model_type}, {model.config.num_hidden_layers} decoder layers, "
           f"{fp['num_moe_layers']} MoE, top-{fp['k_orig']} of {fp['num_experts']}), fp32 on CPU; "

@@ -34,7 +34,7 @@ def main() -> None:
     args = parser.parse_args()
     text, _ = read_text(None, "calibration")
     folder = str(inspect_model(None).path)
-    config = {"max_tokens": args.calib_tokens, "progress": False}
+    config = {"calib_tokens": args.calib_tokens, "progress": False}
     print(f"machine: {cpu_name()} ({os.cpu_count()} logical CPUs), {platform.system()}, torch {torch.__version__}")
     print(f"built-in model, {args.calib_tokens} calibration tokens, prefix cache on")
     singles, rays, firsts = [], [], []

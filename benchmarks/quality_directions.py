@@ -115,7 +115,7 @@ def main() -> None:
           f"{calib.numel() - calib.size(0)} scored tokens, test {test.numel() - test.size(0)}; windows of 512")
 
     def ppl(plan, windows) -> float:
-        run = lambda: evaluate_perplexity(model, tok, "", {"batch_size": 4, "progress": False}, windows=windows)
+        run = lambda: evaluate_perplexity(model, tok, "", {"windows_per_pass": 4, "progress": False}, windows=windows)
         if plan is None:
             return run().perplexity
         with allocmoe.apply_plan(model, plan):
@@ -123,7 +123,7 @@ def main() -> None:
 
     sub = Substitution(model, calib)
     profile = profile_sensitivity(model, tok, allocmoe.read_text(None, "calibration")[0],
-                                  {"max_tokens": args.calib_tokens, "progress": False})
+                                  {"calib_tokens": args.calib_tokens, "progress": False})
     full = (ppl(None, calib), ppl(None, test))
     print(f"full: calibration {full[0]:.2f}, test {full[1]:.2f}")
     rows = []

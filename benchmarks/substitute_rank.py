@@ -38,7 +38,7 @@ def run(name: str, ranks: list[int]) -> dict:
     test, _ = allocmoe.read_text(None, "test")
     calib_windows = tokenize_windows(tok, calib, SEQ_LEN, CALIB_TOKENS)
     test_windows = tokenize_windows(tok, test, SEQ_LEN, TEST_TOKENS)
-    profile = allocmoe.profile_sensitivity(model, tok, calib, {"seq_len": SEQ_LEN, "max_tokens": CALIB_TOKENS,
+    profile = allocmoe.profile_sensitivity(model, tok, calib, {"seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS,
                                                                "progress": False})
     plan = allocmoe.allocate("1/2", "alloc-l", profile=profile)
     full = evaluate_perplexity(model, tok, test, {"progress": False}, windows=test_windows).perplexity

@@ -36,24 +36,28 @@ Every `allocmoe` command and flag, with its default. This page is generated from
 - **`--debug`**, anywhere on the line, shows the traceback of an unexpected failure (exit `1`); add it
   to the failing command and include the output when you report the failure.
 - **One vocabulary**: `--output` is what a command writes, `--calib-tokens` how much calibration
-  text it reads, `--eval-tokens` how much text it scores, `--quiet` hides the progress bars of the
-  long commands (bars and messages go to stderr, results to stdout).
+  text it reads, `--eval-tokens` how much text it scores, `--windows-per-pass` how many windows of
+  text go through the model in one forward pass (profile, allocate, eval, sweep, analyze),
+  `--sequences` how many sequences `bench` decodes side by side, `--quiet` hides the progress bars of
+  the long commands (bars and messages go to stderr, results to stdout). The Python configs use the
+  same names (`calib_tokens`, `eval_tokens`, `windows_per_pass`, `sequences`).
 - **No abbreviations**: a flag must be spelled out in full (`--out` is refused, not read as
   `--output`), so a typo cannot silently become another flag.
 - **No flag is ignored**: a flag the run would not read is refused, naming what reads it
   (`--pool` or `--calib-tokens` with `allocate --method uniform`, `--k-base` with `bench --plan`,
-  `--batch-size` with `eval --decode-batch`, `--no-prefix-cache` when nothing is profiled). A
+  `--windows-per-pass` with `eval --decode-batch`, `--no-prefix-cache` when nothing is profiled). A
   default shown blank below means "not given"; the help text says what is used then.
 - **Values the input cannot hold are refused**, before any pass: `--k-base` above the model's K (or,
-  for `alloc-t`, above the experts each layer gets at the budget), `--batch-size` above the windows
+  for `alloc-t`, above the experts each layer gets at the budget), `--windows-per-pass` above the windows
   the text gives, `--calib-tokens`/`--eval-tokens` above the tokens the text has (the default 8192
   reads as "up to"), a `--target-ppl` above 100 x the vocabulary size, a text holding NUL or other control
   characters, a model whose config's top-k is outside 1..its experts, and a shard index naming a
   file outside the model folder.
-- **Deprecated spellings** still work and print one warning line
-  (`allocmoe: warning: --output-json is deprecated; use --output`): `--output-json` and
-  `--output-dir` (now `--output`), `--max-tokens` (now `--calib-tokens` or `--eval-tokens`, by
-  command) and `--calib-max-tokens` (now `--calib-tokens`). Each command below lists its own.
+- **Deprecated spellings** still work, print one warning line
+  (`allocmoe: warning: --output-json is deprecated; use --output`) and say so in `--help`:
+  `--output-json` and `--output-dir` (now `--output`), `--max-tokens` (now `--calib-tokens` or
+  `--eval-tokens`, by command), `--calib-max-tokens` (now `--calib-tokens`) and `--batch-size` (now
+  `--windows-per-pass`, or `--sequences` for `bench`). Each command below lists its own.
 - **Outputs never destroy anything**: before any work, `--output` is refused when it is empty, a name
   the system cannot take (too long), a device, FIFO or socket (only an absent or regular file is
   replaced; a folder output must be absent or a folder), read-only, or one of the command's inputs
@@ -126,7 +130,8 @@ def render() -> str:
         sp.formatter_class = wide
         usage = " ".join(sp.format_usage().split())
         out.append(f"```text\n{usage}\n```\n")
-        shown = [a for a in sp._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)]
+        shown = [a for a in sp._actions if a.help != argparse.SUPPRESS and not isinstance(a, argparse._HelpAction)
+                 and not hasattr(a, "new")]                     # deprecated spellings: listed after the table
         positionals = [a for a in shown if not a.option_strings]
         options = [a for a in shown if a.option_strings]
         if positionals:
@@ -139,8 +144,7 @@ def render() -> str:
             for action in options:
                 out.append(f"| `{_invocation(action)}` | {_default(action)} | {_cell(_help(sp, action))} |")
             out.append("")
-        aliases = [a for a in sp._actions if a.help == argparse.SUPPRESS and a.option_strings
-                   and not isinstance(a, argparse._HelpAction)]
+        aliases = [a for a in sp._actions if hasattr(a, "new") and a.option_strings]
         if aliases:
             listed = ", ".join(f"`{a.option_strings[0]}` (use `{getattr(a, 'new', '?')}`)" for a in aliases)
             out.append(f"Deprecated, still accepted with a warning: {listed}.\n")

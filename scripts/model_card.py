@@ -93,7 +93,7 @@ def main() -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from allocmoe.measure.report import _save_png
+    from allocmoe.measure.report import save_png
 
     fig, axes = plt.subplots(1, 2 if rounds else 1, figsize=(10 if rounds else 6, 3.5), squeeze=False)
     ax = axes[0, 0]
@@ -115,7 +115,7 @@ def main() -> None:
         ax.set_xlabel("stage 2 round")
         ax.set_ylabel("top-1 / full perplexity (validation)")
         ax.set_title("what a budget cut costs, round by round", fontsize=9)
-    _save_png(fig, Path(__file__).resolve().parents[1] / "docs" / "training_curve.png")
+    save_png(fig, Path(__file__).resolve().parents[1] / "docs" / "training_curve.png")
     print("| K (uniform) | " + " | ".join(str(k) for k in ppl) + " |")
     print("|---|" + "---|" * len(ppl))
     print("| test perplexity | " + " | ".join(f"{v:.2f}" for v in ppl.values()) + " |")

@@ -1,8 +1,8 @@
 """Train the two extra model families the quality comparison runs on: Qwen3-MoE style and OLMoE style.
 
 Not run by CI or tests; it rebuilds what ships in examples/models/. Same corpus, tokenizer,
-load-balancing loss and first-stage loop as the built-in model (scripts/train_builtin.py's
-`pretrain`), a smaller shape, no stage 2:
+load-balancing loss and first-stage loop as the built-in model (scripts/training.py's `pretrain`,
+which train_builtin.py runs too), a smaller shape, no stage 2:
 these families have no shared experts, so the routed experts carry the work from the start and a
 budget cut costs quality without any reshaping. Seeded and resumable (`--max-minutes`; rerun to go on).
 
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from train_builtin import ROOT, min_expert_load, pretrain, read_split, top1_over_full
+from training import ROOT, add_pretrain_flags, min_expert_load, pretrain, save_trained, token_ids, top1_over_full
 
 BUILTIN = ROOT / "src" / "allocmoe" / "builtin" / "model"
 OUT = ROOT / "examples" / "models"
@@ -54,13 +54,7 @@ def build(family: str):
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", choices=sorted(FAMILIES), required=True)
-    parser.add_argument("--steps", type=int, default=600, help="total optimiser steps (fixes the LR schedule)")
-    parser.add_argument("--max-minutes", type=float, default=60.0, help="stop after this long; rerun to resume")
-    parser.add_argument("--batch-size", type=int, default=16)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--aux-loss", type=float, default=0.01, help="load-balancing loss coefficient")
-    parser.add_argument("--eval-every", type=int, default=100)
+    add_pretrain_flags(parser, steps=600, max_minutes=60.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     parser.add_argument("--work-dir", type=Path, default=None, help="checkpoints (default: runs/<family>)")
@@ -76,12 +70,7 @@ def main() -> None:
     work = args.work_dir or ROOT / "runs" / args.family
     work.mkdir(parents=True, exist_ok=True)
     tok = AutoTokenizer.from_pretrained(BUILTIN)
-    ids_path = work / "train_ids.pt"
-    if not ids_path.exists():
-        torch.save(torch.tensor(tok(read_split("train"))["input_ids"], dtype=torch.long), ids_path)
-    ids = torch.load(ids_path)
-    val_tokens = 32_768
-    train_ids, val_ids = ids[:-val_tokens], ids[-val_tokens:]
+    train_ids, val_ids = token_ids(tok, work)
 
     model = build(args.family)
     gen = torch.Generator().manual_seed(args.seed)
@@ -92,14 +81,7 @@ def main() -> None:
     curve[-1]["val_min_expert_load"] = min_expert_load(model, val_ids, args.seq_len)
     print(json.dumps(curve[-1]))
 
-    out_dir = args.out or OUT / args.family
-    out_dir.mkdir(parents=True, exist_ok=True)
-    model.config.output_router_logits = False
-    model.half().save_pretrained(out_dir, safe_serialization=True)
-    tok.save_pretrained(out_dir)
-    (out_dir / "training_curve.json").write_text(json.dumps(
-        {"args": {k_: str(v) for k_, v in vars(args).items()}, "curve": curve}, indent=1) + "\n")
-    print(f"saved to {out_dir}")
+    save_trained(model.half(), tok, args.out or OUT / args.family, args, curve)
 
 
 if __name__ == "__main__":

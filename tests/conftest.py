@@ -157,3 +157,15 @@ def tiny_folder(tmp_path_factory):
     model = build_tiny("deepseek_v2", vocab_size=len(tok), num_hidden_layers=4, max_position_embeddings=256)
     model.save_pretrained(folder)
     return folder
+
+
+def policy_from_layer_entry(entry, k_orig: int):
+    """A plan file's layer entry read the public way, through Plan.from_dict (a one-layer plan of a model
+    with `k_orig`, at the full budget so any entry's spend fits): its policy, or the AllocMoeError."""
+    from allocmoe.core.plan import Plan
+    from allocmoe.core.policies import StaticTopK
+
+    model = {"model_type": "qwen2_moe", "num_moe_layers": 1, "num_experts": 8, "k_orig": k_orig, "moe_layers": [0]}
+    data = Plan(model=model, layers={0: StaticTopK(1)}, method="uniform", budget=float(k_orig)).to_dict()
+    data["layers"]["0"] = entry
+    return Plan.from_dict(data).layers[0]

@@ -289,11 +289,11 @@ def _bad_calls(model, tok, folder, tmp_path):
         # AllocateConfig: all eleven fields, strictly typed, in range
         (lambda: AllocateConfig(seq_len="32"), "seq_len (--seq-len) must be a whole number or None"),
         (lambda: AllocateConfig(seq_len=1), "seq_len (--seq-len) must be a whole number >= 2"),
-        (lambda: AllocateConfig(batch_size=0), "batch_size (--batch-size) must be a whole number >= 1"),
-        (lambda: AllocateConfig(batch_size=True), "batch_size (--batch-size) must be a whole number"),
-        (lambda: AllocateConfig(batch_size=2.0), "batch_size (--batch-size) must be a whole number"),
-        (lambda: AllocateConfig(calib_max_tokens=-5), "calib_max_tokens (--calib-tokens) must be a whole number >= 2"),
-        (lambda: AllocateConfig(calib_max_tokens=nan), "calib_max_tokens (--calib-tokens) must be a whole number"),
+        (lambda: AllocateConfig(windows_per_pass=0), "windows_per_pass (--windows-per-pass) must be a whole number >= 1"),
+        (lambda: AllocateConfig(windows_per_pass=True), "windows_per_pass (--windows-per-pass) must be a whole number"),
+        (lambda: AllocateConfig(batch_size=2.0), "windows_per_pass (--windows-per-pass) must be a whole number"),
+        (lambda: AllocateConfig(calib_tokens=-5), "calib_tokens (--calib-tokens) must be a whole number >= 2"),
+        (lambda: AllocateConfig(calib_tokens=nan), "calib_tokens (--calib-tokens) must be a whole number"),
         (lambda: AllocateConfig(k_base=-1), "k_base (--k-base) must be a whole number >= 0"),
         (lambda: AllocateConfig(k_base="2"), "k_base (--k-base) must be a whole number"),
         (lambda: AllocateConfig(pool="tokens"), "pool (--pool) must be 'batch' or 'sequence'"),
@@ -311,10 +311,10 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: AllocateConfig(2, k_base=3), "twice"),
         (lambda: AllocateConfig(bogus=1), "unknown AllocateConfig field(s) ['bogus']"),
         # the other configs
-        (lambda: PerplexityConfig(max_tokens=0), "max_tokens (--eval-tokens) must be a whole number >= 1"),
-        (lambda: PerplexityConfig(batch_size="4"), "batch_size (--batch-size) must be a whole number"),
+        (lambda: PerplexityConfig(eval_tokens=0), "eval_tokens (--eval-tokens) must be a whole number >= 1"),
+        (lambda: PerplexityConfig(windows_per_pass="4"), "windows_per_pass (--windows-per-pass) must be a whole number"),
         (lambda: PerplexityConfig(decode_batch=False), "decode_batch (--decode-batch) must be a whole number"),
-        (lambda: ProfileConfig(max_tokens=1.5), "max_tokens (--calib-tokens) must be a whole number"),
+        (lambda: ProfileConfig(calib_tokens=1.5), "calib_tokens (--calib-tokens) must be a whole number"),
         (lambda: ProfileConfig(prefix_cache="yes"), "prefix_cache (--no-prefix-cache) must be true or false"),
         (lambda: ProfileConfig(max_memory=2.5), "max_memory (--max-memory) must be"),
         (lambda: DistinctConfig(decode_batch=None), "decode_batch (--decode-batch) must be a whole number"),
@@ -349,7 +349,7 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: profile_sensitivity(42, tok, text), "model must be a loaded model"),
         (lambda: profile_sensitivity(None, tok, text), "or a model folder's path"),
         (lambda: allocate(0.5, "uniform"), "neither a model nor a profile was given; pass model="),
-        (lambda: profile_sensitivity(model, tok, text, {"batch_size": 0}), "batch_size (--batch-size)"),
+        (lambda: profile_sensitivity(model, tok, text, {"windows_per_pass": 0}), "windows_per_pass (--windows-per-pass)"),
         (lambda: profile_sensitivity(model, tok, text, on_cell=3), "on_cell must be a function"),
         # load_model
         (lambda: load_model(123), "model must be a model folder's path"),
@@ -368,8 +368,8 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: evaluate_perplexity(model, tok, text, {"seq_len": "16"}), "seq_len (--seq-len) must be"),
         (lambda: evaluate_model(folder, plan=5, progress=False), "plan must be a Plan"),
         (lambda: evaluate_model(folder, tasks="allocmoe_cloze", progress=False), "tasks must be a list of task names"),
-        (lambda: evaluate_model(folder, batch_size=0, progress=False), "batch_size (--batch-size)"),
-        (lambda: evaluate_model(folder, max_tokens=-3, progress=False), "max_tokens (--eval-tokens)"),
+        (lambda: evaluate_model(folder, windows_per_pass=0, progress=False), "windows_per_pass (--windows-per-pass)"),
+        (lambda: evaluate_model(folder, max_tokens=-3, progress=False), "eval_tokens (--eval-tokens)"),
         (lambda: evaluate_model(folder, seq_len=1.5, progress=False), "seq_len (--seq-len) must be"),
         (lambda: evaluate_model(folder, trust_remote_code=1, progress=False), "trust_remote_code must be"),
         (lambda: evaluate_model(123, progress=False), "model must be a model folder's path"),
@@ -397,11 +397,11 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: generate(model, tok, "x", max_new_tokens="5"), "max new tokens must be a whole number"),
         # sweep: its config at the door, and a batch past the test text's windows before the profile
         (lambda: SweepConfig(bogus=1), "unknown SweepConfig field(s) ['bogus']"),
-        (lambda: SweepConfig(batch_size=0), "batch_size (--batch-size) must be a whole number >= 1"),
+        (lambda: SweepConfig(windows_per_pass=0), "windows_per_pass (--windows-per-pass) must be a whole number >= 1"),
         (lambda: SweepConfig(seq_len="32"), "seq_len (--seq-len) must be a whole number"),
         (lambda: SweepConfig(budgets="0.5"), "budgets (--budgets) must be a tuple of strings"),
-        (lambda: sweep(model, tok, text, text, {"methods": ["uniform"], "seq_len": 32, "eval_max_tokens": 256,
-                                                "batch_size": 10**9, "progress": False}),
+        (lambda: sweep(model, tok, text, text, {"methods": ["uniform"], "seq_len": 32, "eval_tokens": 256,
+                                                "windows_per_pass": 10**9, "progress": False}),
          "is more than the 8 window(s) of 32 tokens"),
     ]
 
@@ -503,17 +503,17 @@ def test_sizes_past_the_text_read_the_same(setup, tiny_folder, tmp_path, capsys,
     _, model = setup
     tok = load_model(tiny_folder)[1]
     text, _ = read_text(None, "calibration")
-    api = api_message(lambda: evaluate_model(tiny_folder, batch_size=10 ** 9, progress=False))
+    api = api_message(lambda: evaluate_model(tiny_folder, windows_per_pass=10 ** 9, progress=False))
     assert "is more than the" in api and "window(s)" in api
-    assert api == cli_line(["eval", "--model", str(tiny_folder), "--batch-size", str(10 ** 9)], capsys)
-    api = api_message(lambda: evaluate_model(tiny_folder, max_tokens=10 ** 11, progress=False))
+    assert api == cli_line(["eval", "--model", str(tiny_folder), "--windows-per-pass", str(10 ** 9)], capsys)
+    api = api_message(lambda: evaluate_model(tiny_folder, eval_tokens=10 ** 11, progress=False))
     assert "tokens the text has" in api
     assert api == cli_line(["eval", "--model", str(tiny_folder), "--eval-tokens", str(10 ** 11)], capsys)
-    api = api_message(lambda: profile_sensitivity(model, tok, text, {"max_tokens": 10 ** 11, "progress": False}))
+    api = api_message(lambda: profile_sensitivity(model, tok, text, {"calib_tokens": 10 ** 11, "progress": False}))
     assert api == cli_line(["profile", "--model", str(tiny_folder), "--calib-tokens", str(10 ** 11), "--output",
                             str(tmp_path / "p.json")], capsys)
-    api = api_message(lambda: profile_sensitivity(model, tok, text, {"batch_size": 10 ** 9, "progress": False}))
-    assert api == cli_line(["profile", "--model", str(tiny_folder), "--batch-size", str(10 ** 9), "--output",
+    api = api_message(lambda: profile_sensitivity(model, tok, text, {"windows_per_pass": 10 ** 9, "progress": False}))
+    assert api == cli_line(["profile", "--model", str(tiny_folder), "--windows-per-pass", str(10 ** 9), "--output",
                             str(tmp_path / "p.json")], capsys)
     api = api_message(lambda: allocate(None, "uniform", model=model, tokenizer=tok, calib_text=text,
                                        target_ppl="1e308"))

@@ -19,7 +19,7 @@ from conftest import build_tiny
 def test_benchmark_json_has_every_field():
     model = build_tiny("deepseek_v2")
     plan = allocate("0.5", "alloc-t", model=model)
-    result = benchmark(model, plan, BenchConfig(input_len=8, output_len=3, batch_size=2, repeats=2), progress=False)
+    result = benchmark(model, plan, BenchConfig(input_len=8, output_len=3, sequences=2, repeats=2), progress=False)
     for key in ("prefill_speedup", "decode_speedup", "prefill_ideal_speedup", "decode_ideal_speedup",
                 "timings_seconds", "peak_memory_bytes", "environment", "measured_activations_per_token",
                 "distinct_experts_per_decode_step"):
@@ -77,7 +77,7 @@ def _counted_by_hand(model, ids, steps, context) -> dict[int, list[int]]:
 @torch.no_grad()
 def test_batched_decode_counts_distinct_experts_as_an_independent_count_does():
     model = build_tiny("deepseek_v2")
-    config = BenchConfig(input_len=6, output_len=4, batch_size=3, repeats=1, warmup=0)
+    config = BenchConfig(input_len=6, output_len=4, sequences=3, repeats=1, warmup=0)
     plan = distinct_plan(model, 3)
     result = benchmark(model, plan, config, progress=False)
     rows = result["configurations"]
@@ -108,14 +108,14 @@ def test_batched_decode_counts_distinct_experts_as_an_independent_count_does():
 @torch.no_grad()
 def test_distinct_plan_at_a_fraction_of_the_union_never_exceeds_its_m():
     model = build_tiny("deepseek_v2")
-    config = BenchConfig(input_len=5, output_len=3, batch_size=4, repeats=1, warmup=0)
+    config = BenchConfig(input_len=5, output_len=3, sequences=4, repeats=1, warmup=0)
     plan, union = distinct_plan_for(model, config, fraction=0.5)
     by_hand = _counted_by_hand(model, prompt_ids(model, config, seed=1), config.output_len, torch.no_grad)
     for index, counts in by_hand.items():     # the union: unmodified top-K, other prompts (seed 1)
         assert union[index] == pytest.approx(sum(counts) / len(counts))
         assert plan.layers[index].max_experts == max(1, int(0.5 * union[index] + 0.5))
     for batch in (1, 4, 7):                   # any batch, prefill columns included: never above M
-        ids = prompt_ids(model, BenchConfig(input_len=5, batch_size=batch))
+        ids = prompt_ids(model, BenchConfig(input_len=5, sequences=batch))
         by_hand = _counted_by_hand(model, ids, 3, lambda: apply_plan(model, plan))
         for index, counts in by_hand.items():
             assert max(counts) <= plan.layers[index].max_experts
@@ -137,7 +137,7 @@ def test_distinct_budget_as_typed():
 
 def test_bench_cli_times_a_distinct_budget_beside_uniform(tiny_folder, tmp_path, capsys):
     out = tmp_path / "bench.json"
-    main(["bench", "--model", str(tiny_folder), "--max-distinct-experts", "2", "--batch-size", "3",
+    main(["bench", "--model", str(tiny_folder), "--max-distinct-experts", "2", "--sequences", "3",
           "--input-len", "8", "--output-len", "3", "--repeats", "1", "--warmup", "0", "--quiet", "--output", str(out)])
     result = json.loads(out.read_text())
     err = capsys.readouterr().err
@@ -236,8 +236,8 @@ def test_bench_cli_bad_inputs(capsys, tmp_path):
     cases = [(["--input-len", "0"], "--input-len: must be above 0"), (["--output-len", "-3"], "--output-len: must be above 0"),
              (["--model", "synthetic:gpt-17"], "unknown synthetic shape"),
              (["--model", "synthetic:deepseek-v2-lite", "--num-layers", "27"], "GiB of weights"),
-             (["--model", "synthetic:deepseek-v2-lite", "--num-layers", "2", "--batch-size", "100000",
-               "--input-len", "4096"], "lower --batch-size")]
+             (["--model", "synthetic:deepseek-v2-lite", "--num-layers", "2", "--sequences", "100000",
+               "--input-len", "4096"], "lower --sequences")]
     for extra, message in cases:
         with pytest.raises(SystemExit) as exc:
             main(["bench", "--budget", "0.5", *extra])

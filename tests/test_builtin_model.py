@@ -33,7 +33,7 @@ def test_shape_is_deepseek_v2_lite_in_miniature(builtin):
 @torch.no_grad()
 def test_deterministic_and_budget_cuts_hurt(builtin):
     model, tok, windows = builtin
-    cfg = {"batch_size": 8, "progress": False}
+    cfg = {"windows_per_pass": 8, "progress": False}
     full = evaluate_perplexity(model, tok, "", cfg, windows=windows).perplexity
     assert evaluate_perplexity(model, tok, "", cfg, windows=windows).perplexity == full
     with apply_plan(model, static_plan(model, [1] * 6)):

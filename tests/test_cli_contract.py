@@ -55,7 +55,8 @@ def cases(root: Path, model: Path) -> list[Row]:
     X = ["export", "--format", "vllm"]
     return [
         # -- profile ---------------------------------------------------------------------------------
-        Row([*P, "--batch-size", "0", *po], "--batch-size: must be above 0"),
+        Row([*P, "--windows-per-pass", "0", *po], "--windows-per-pass: must be above 0"),
+        Row([*P, "--batch-size", "0", *po], "--batch-size: must be above 0"),      # the deprecated spelling
         Row([*P, "--batch-size", "-3", *po], "must be above 0"),
         Row([*P, "--batch-size", "2.5", *po], "must be a whole number"),
         Row([*P, "--batch-size", "1e400", *po], "must be a whole number"),
@@ -288,7 +289,7 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*B, "--plan", plan, "--warmup", "-1"], "--warmup: must be at least 0"),
         Row([*B, "--plan", plan, "--input-len", "inf"], "must be a whole number"),
         Row([*B, "--plan", plan, "--batch-size", "0"], "--batch-size: must be above 0"),
-        Row([*B, "--plan", plan, "--batch-size", "1000000000"], "lower --batch-size"),
+        Row([*B, "--plan", plan, "--sequences", "1000000000"], "lower --sequences"),
         Row([*B, "--plan", plan, "--num-layers", "2"], "applies only to synthetic models"),
         Row([*B, "--plan", plan, "--seq-len", "300"], "--seq-len does not apply to bench"),
         Row([*B, "--plan", plan, "--dtype", "float64"], "invalid choice: 'float64'"),
@@ -370,7 +371,7 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*U, "--budget", "0.5", "--calib-tokens", "64"], "--calib-tokens does not apply to --method uniform"),
         Row([*U, "--budget", "0.5", "--calib-text", f("short.txt")], "--calib-text does not apply"),
         Row([*U, "--budget", "0.5", "--seq-len", "32"], "--seq-len does not apply to --method uniform"),
-        Row([*U, "--budget", "0.5", "--batch-size", "2"], "--batch-size does not apply to --method uniform"),
+        Row([*U, "--budget", "0.5", "--windows-per-pass", "2"], "--windows-per-pass does not apply to --method uniform"),
         Row([*U, "--budget", "0.5", "--no-prefix-cache"], "--no-prefix-cache does not apply"),
         Row([*A, "--budget", "0.5", "--method", "ascending", "--k-base", "2"], "--k-base does not apply"),
         Row([*A, "--budget", "0.5", "--method", "lexi", "--calib-tokens", "64"], "does not apply to --method lexi"),
@@ -378,33 +379,33 @@ def cases(root: Path, model: Path) -> list[Row]:
         Row([*A, "--budget", "0.5", "--method", "top-p", "--k-base", "2"], "--k-base does not apply to --method top-p"),
         Row([*A, "--budget", "0.5", "--method", "naee", "--no-prefix-cache"], "--no-prefix-cache does not apply"),
         Row([*A, "--target-ppl", "5%", "--method", "uniform", "--pool", "batch"], "uniform with --target-ppl"),
-        Row([*D, "0.5", "--batch-size", "2"], "--batch-size does not apply with --max-distinct-experts"),
+        Row([*D, "0.5", "--windows-per-pass", "2"], "--windows-per-pass does not apply with --max-distinct-experts"),
         Row([*B, "--plan", plan, "--method", "uniform"], "--method does not apply to --plan"),
         Row([*B, "--plan", plan, "--k-base", "2"], "--k-base does not apply to --plan"),
         Row([*B, "--budget", "0.5", "--method", "uniform", "--k-base", "1"], "--k-base does not apply"),
         Row([*B, "--budget", "0.5", "--k-base", "5"], "above this model's K = 4"),
         Row([*B, "--max-distinct-experts", "0.5", "--method", "alloc-t"], "--method does not apply"),
-        Row([*E, "--decode-batch", "2", "--batch-size", "2"], "--batch-size does not apply with --decode-batch"),
+        Row([*E, "--decode-batch", "2", "--windows-per-pass", "2"], "--windows-per-pass does not apply with --decode-batch"),
         Row([*S, "--methods", "uniform"], "--calib-tokens does not apply to --methods uniform"),
         Row([*S, "--methods", "uniform,top-p", "--k-base", "2"], "--k-base does not apply"),
         Row([*S, "--methods", "uniform,lexi", "--profile", other_profile], "made for another model"),
         Row([*S, "--methods", "top-p", "--no-prefix-cache"], "--no-prefix-cache does not apply"),
         Row([*S, "--methods", "alloc-t", "--k-base", "3", "--budgets", "1/2"], "give a value in 1..2"),
         # values past what the input allows, refused before any pass
-        Row([*P, "--batch-size", "1000000000", "--seq-len", "32", "--calib-tokens", "256", *po],
+        Row([*P, "--windows-per-pass", "1000000000", "--seq-len", "32", "--calib-tokens", "256", *po],
             "is more than the 8 window(s) of 32 tokens"),
         Row([*P, "--calib-tokens", "100000000000", *po], "tokens the text has"),
-        Row([*A, "--budget", "0.5", "--method", "top-p", "--batch-size", "1000000000"], "window(s) of"),
+        Row([*A, "--budget", "0.5", "--method", "top-p", "--windows-per-pass", "1000000000"], "window(s) of"),
         Row([*A, "--budget", "0.5", "--method", "top-p", "--calib-tokens", "100000000000"], "tokens the text has"),
-        Row([*E, "--batch-size", "1000000000"], "window(s) of"),
+        Row([*E, "--windows-per-pass", "1000000000"], "window(s) of"),
         Row([*E, "--eval-tokens", "100000000000"], "tokens the text has"),
         Row([*A, "--target-ppl", "1e308", "--method", "uniform"], "times the perplexity of guessing uniformly"),
         Row([*A, "--target-ppl", "1e308%", "--method", "uniform"], "times the perplexity of guessing uniformly"),
         Row([*S, "--eval-tokens", "100000000000"], "tokens the text has"),
         Row([*S, "--calib-tokens", "100000000000", "--methods", "top-p"], "tokens the text has"),
-        Row([*S, "--batch-size", "1000000000"], "window(s) of 32 tokens"),
+        Row([*S, "--windows-per-pass", "1000000000"], "window(s) of 32 tokens"),
         Row(["analyze", *m, "--plan", plan, "--eval-tokens", "100000000000"], "tokens the text has"),
-        Row(["analyze", *m, "--plan", plan, "--batch-size", "1000000000"], "window(s) of"),
+        Row(["analyze", *m, "--plan", plan, "--windows-per-pass", "1000000000"], "window(s) of"),
         # -- issue 39: outputs and files ---------------------------------------------------------------
         *outputs_and_files(m, f, plan, other_profile),
     ]
@@ -484,7 +485,7 @@ def files(tmp_path_factory, tiny_folder):
     static_plan(other, [2, 2, 2]).save(root / "other_plan.json")
     text, _ = read_text(None, "calibration")
     atomic_write_json(root / "other_profile.json", profile_sensitivity(
-        other, tok, text, {"seq_len": 16, "max_tokens": 64, "batch_size": 4, "progress": False}))
+        other, tok, text, {"seq_len": 16, "calib_tokens": 64, "windows_per_pass": 4, "progress": False}))
 
     weights = (tiny_folder / "model.safetensors").read_bytes()
     config = json.loads((tiny_folder / "config.json").read_text())
@@ -582,7 +583,7 @@ def test_allocate_checks_a_profile_against_the_model_without_loading_the_weights
     model, tok = load_model(tiny_folder)
     text, _ = read_text(None, "calibration")
     own = tmp_path / "profile.json"
-    atomic_write_json(own, profile_sensitivity(model, tok, text, {"seq_len": 16, "max_tokens": 64, "progress": False}))
+    atomic_write_json(own, profile_sensitivity(model, tok, text, {"seq_len": 16, "calib_tokens": 64, "progress": False}))
 
     def no_weights(self, *args, **kwargs):
         raise AssertionError("the weights were loaded")

@@ -128,7 +128,7 @@ def test_a_profile_plans_from_the_config_alone(tmp_path, tok, capsys, counted):
     shutil.copy(full / "config.json", bare)
     text, _ = read_text(None, "calibration")
     profile = tmp_path / "profile.json"
-    atomic_write_json(profile, profile_sensitivity(model, tok, text, {"seq_len": 16, "max_tokens": 64,
+    atomic_write_json(profile, profile_sensitivity(model, tok, text, {"seq_len": 16, "calib_tokens": 64,
                                                                        "progress": False}))
     counted.update(forward=0, loads=0)
     for method in ("alloc-l", "alloc-moe"):

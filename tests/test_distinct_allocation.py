@@ -23,7 +23,7 @@ from allocmoe.scoring.perplexity import tokenize_windows
 from allocmoe.texts import read_text
 
 B, SEQ, TOKENS = 4, 32, 256          # 8 calibration windows of 32 tokens, decoded 4 side by side
-CONFIG = {"decode_batch": B, "seq_len": SEQ, "calib_max_tokens": TOKENS, "progress": False}
+CONFIG = {"decode_batch": B, "seq_len": SEQ, "calib_tokens": TOKENS, "progress": False}
 
 
 @pytest.fixture(scope="module")

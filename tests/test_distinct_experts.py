@@ -14,7 +14,8 @@ import torch
 
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, evaluate_perplexity, model_fingerprint
 from allocmoe.core import policies
-from allocmoe.core.policies import DistinctExperts, distinct_per_step, policy_from_dict, select_experts
+from allocmoe.core.policies import DistinctExperts, distinct_per_step, select_experts
+from conftest import policy_from_layer_entry
 from allocmoe.routing.apply import distinct_plan
 from allocmoe.routing.layout import load_plan
 from conftest import build_tiny
@@ -344,7 +345,7 @@ def test_eval_decode_batch_routes_every_token_as_the_batched_engine_does(tiny, p
 def test_eval_decode_batch_tops_up_the_last_pass_and_scores_each_window_once(tiny):
     model, tok = tiny
     windows = torch.randint(1, len(tok), (5, 12), generator=torch.Generator().manual_seed(2))
-    plain = evaluate_perplexity(model, tok, "", {"batch_size": 5, "progress": False}, windows=windows)
+    plain = evaluate_perplexity(model, tok, "", {"windows_per_pass": 5, "progress": False}, windows=windows)
     batched = evaluate_perplexity(model, tok, "", {"decode_batch": 3, "progress": False}, windows=windows)
     assert batched.tokens == plain.tokens == 5 * 11 and batched.windows == 5
     assert batched.nll == pytest.approx(plain.nll, rel=1e-5)               # unmodified model: grouping is free
@@ -387,14 +388,14 @@ def test_a_distinct_plan_round_trips_and_bad_entries_are_refused(tmp_path):
     data = json.loads((tmp_path / "p.json").read_text())
     assert data["layers"]["0"] == {"policy": "distinct", "max_experts": 2, "k_floor": 2}
     assert load_plan(tmp_path / "p.json", model).layers == plan.layers
-    assert policy_from_dict({"policy": "distinct", "max_experts": 5, "k": 2.5}, k_orig=4) == DistinctExperts(5, 1, 2.5)
+    assert policy_from_layer_entry({"policy": "distinct", "max_experts": 5, "k": 2.5}, k_orig=4) == DistinctExperts(5, 1, 2.5)
     for entry, message in [({"policy": "distinct"}, "max_experts: missing field"),
                            ({"policy": "distinct", "max_experts": 0}, "max_experts"),
                            ({"policy": "distinct", "max_experts": 2.5}, "must be a whole number"),
-                           ({"policy": "distinct", "max_experts": 4, "k_floor": 5}, "k_floor in [1, 4]"),
+                           ({"policy": "distinct", "max_experts": 4, "k_floor": 5}, "k_floor 5 is above k_orig 4"),
                            ({"policy": "distinct", "max_experts": 4, "floor": 1}, "floor: unknown field")]:
         with pytest.raises(AllocMoeError, match=re.escape(message)):
-            policy_from_dict(entry, k_orig=4)
+            policy_from_layer_entry(entry, k_orig=4)
     data["layers"]["1"]["k_floor"] = 9
     with pytest.raises(AllocMoeError, match="layer 1: k_floor 9 is above k_orig 4"):
         Plan.from_dict(data)

@@ -20,7 +20,7 @@ def test_each_family_loads_as_itself_and_top1_costs_quality(family, renormalises
     assert fp["model_type"] == family and model.config.norm_topk_prob is renormalises
     assert fp["k_orig"] == 4 and fp["num_moe_layers"] == 4
     text, _ = read_text(None, "test")
-    score = {"seq_len": 512, "max_tokens": 2048, "progress": False}
+    score = {"seq_len": 512, "eval_tokens": 2048, "progress": False}
     full = evaluate_perplexity(model, tok, text, score).perplexity
     with apply_plan(model, static_plan(model, [1] * fp["num_moe_layers"])):
         top1 = evaluate_perplexity(model, tok, text, score).perplexity

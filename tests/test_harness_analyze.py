@@ -123,7 +123,7 @@ def test_lm_eval_padding_that_cannot_be_told_from_text_is_warned_about(tiny_fold
     lm = _padding_aware(HFLM)(pretrained=model, tokenizer=tok, batch_size=2, device="cpu")
     pairs = [("It was", " a"), ("And God said", " let")]                       # 4 and 12 tokens fed
     requests = [Instance("loglikelihood", {}, pair, i) for i, pair in enumerate(pairs)]
-    with apply_plan(model, static_plan(model, [2, 2, 2])) as handle, pytest.warns(UserWarning, match="--batch-size 1"):
+    with apply_plan(model, static_plan(model, [2, 2, 2])) as handle, pytest.warns(UserWarning, match="--windows-per-pass 1"):
         lm.loglikelihood(requests, disable_tqdm=True)
     longest = max(len(tok(c + t)["input_ids"]) - 1 for c, t in pairs)
     assert handle.tokens_seen() == 2 * longest                                  # the pads were counted

@@ -32,7 +32,7 @@ from allocmoe.models import load_model
 from allocmoe.texts import read_text
 
 WAIT_S = 120                 # bound on every wait; a run here takes seconds
-CALIB = {"seq_len": 256, "max_tokens": 2048, "batch_size": 4}      # 10 cells of a tenth of a second or so
+CALIB = {"seq_len": 256, "calib_tokens": 2048, "windows_per_pass": 4}      # 10 cells of a tenth of a second or so
 CELLS = 3 * 4 - 2            # the tiny model: 3 MoE layers, K = 4
 RESULTS = {"results.json", "plans.json", "results.md", "quality_vs_activations.png", "allocations.png"}
 RESUME = "allocmoe: interrupted; rerun the same command to resume: "
@@ -45,7 +45,7 @@ BAR = r"[\w .-]+:\s+\d+%\|[^|\r\n]*\|[^\]\r\n]*\]"                 # one tqdm fr
 
 
 def _argv(command, model, out):
-    common = ["--model", str(model), "--calib-tokens", str(CALIB["max_tokens"]), "--seq-len", str(CALIB["seq_len"])]
+    common = ["--model", str(model), "--calib-tokens", str(CALIB["calib_tokens"]), "--seq-len", str(CALIB["seq_len"])]
     if command == "profile":
         return ["profile", *common, "--output", str(out / "p.json")]
     return ["sweep", *common, "--budgets", "1/2,2/3", "--methods", "uniform,alloc-moe,top-p", "--eval-tokens", "1024",
@@ -244,7 +244,7 @@ def _sweep(tiny, out, budget):
 
     model, tok = tiny
     text = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))
-    return sweep(model, tok, text, text, {"budgets": (budget,), "methods": ("uniform",), "eval_max_tokens": 128,
+    return sweep(model, tok, text, text, {"budgets": (budget,), "methods": ("uniform",), "eval_tokens": 128,
                                           "seq_len": 32, "progress": False}, output_dir=out)
 
 
@@ -360,8 +360,8 @@ def test_a_bar_caught_while_being_made_is_closed_before_the_interrupted_line(tin
 
 
 # -- a sweep keeps its rows as they finish: a rerun scores only the rest ----------------------------------
-SWEEP_ROWS = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_max_tokens": 128,
-              "seq_len": 32, "progress": False, "profile": {"max_tokens": 256}}
+SWEEP_ROWS = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_tokens": 128,
+              "seq_len": 32, "progress": False, "profile": {"calib_tokens": 256}}
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(300))
 
 
@@ -444,7 +444,7 @@ def test_kept_rows_of_other_settings_are_not_resumed_and_a_warning_says_why(tiny
         sweep(model, tok, TEXT, TEXT, SWEEP_ROWS, output_dir=out, on_row=_stop_after(2))
     capsys.readouterr()
     scored = _counting(monkeypatch)
-    sweep(model, tok, TEXT, TEXT, {**SWEEP_ROWS, "eval_max_tokens": 96, "methods": ("uniform",)}, output_dir=out)
+    sweep(model, tok, TEXT, TEXT, {**SWEEP_ROWS, "eval_tokens": 96, "methods": ("uniform",)}, output_dir=out)
     assert scored == ["full", "uniform@6", "uniform@8"]                     # other evaluation tokens: all again
     err = capsys.readouterr().err
     assert f"allocmoe: warning: {out / 'rows.partial.json'} was not resumed: its rows were made with other " \
@@ -498,7 +498,7 @@ def test_an_interrupted_distinct_profile_names_the_cells_it_kept(tiny, tmp_path,
         return real(*args)
     monkeypatch.setattr(distinct_module, "_score", interrupted)
     with pytest.raises(Interrupted) as stopped:
-        distinct_module.distinct_profile(model, tok, text, {"decode_batch": 4, "seq_len": 32, "calib_max_tokens": 512,
+        distinct_module.distinct_profile(model, tok, text, {"decode_batch": 4, "seq_len": 32, "calib_tokens": 512,
                                                             "progress": False}, resume_file=resume)
     cells = len(json.loads(resume.read_text())["cells"])
     assert cells == 2

@@ -7,7 +7,8 @@ import torch
 
 from allocmoe.errors import AllocMoeError
 from allocmoe.core.policies import (AllocT, NaeeSkip, StaticTopK, TopP, expected_alloc_t_activations,
-                               policy_from_dict, prefix_mask, select_experts)
+                               prefix_mask, select_experts)
+from conftest import policy_from_layer_entry
 
 
 def sorted_probs(num_tokens, k_orig=6, num_experts=16, seed=0):
@@ -84,7 +85,7 @@ def test_prefix_mask():
 
 
 @pytest.mark.parametrize("entry,message", [
-    ({"policy": "top-k", "k": 7}, "k in [1, 6]"),
+    ({"policy": "top-k", "k": 7}, "k 7 is above k_orig 6"),
     ({"policy": "top-k", "k": 0}, "k: Input should be greater than or equal to 1"),
     ({"policy": "top-k", "k": 2.5}, "k: must be a whole number, got 2.5"),
     ({"policy": "top-k", "k": True}, "k: must be a number, got True"),
@@ -98,7 +99,7 @@ def test_prefix_mask():
 ])
 def test_bad_layer_entries_are_refused_with_the_reason(entry, message):
     with pytest.raises(AllocMoeError, match=__import__("re").escape(message)):
-        policy_from_dict(entry, k_orig=6)
+        policy_from_layer_entry(entry, k_orig=6)
 
 
 @pytest.mark.parametrize("policy", [StaticTopK(0), StaticTopK(5), AllocT(k=0), AllocT(k=2, k_base=3),

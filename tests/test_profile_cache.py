@@ -7,13 +7,13 @@ import io
 import pytest
 import torch
 
-from allocmoe.calibrate.prefix import layer_passes, naive_layer_passes, profile_schedule
+from allocmoe.calibrate.prefix import cell_schedule, layer_passes, naive_layer_passes, profile_start_layer
 from allocmoe.calibrate.cells import CellBar
 from allocmoe.calibrate.profile import profile_cells, profile_sensitivity
 from conftest import FAMILIES, KillAfter, build_tiny, relative_difference
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
-CFG = {"seq_len": 32, "max_tokens": 256, "batch_size": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
+CFG = {"seq_len": 32, "calib_tokens": 256, "windows_per_pass": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
 
 
 def tiny(family, tok, num_layers=4):
@@ -56,8 +56,8 @@ def test_the_work_counted_is_the_work_run_and_the_schedule_predicts_it(tok, fami
     assert facts["layer_passes"] == ran[0]
     fp = model.config
     moe_layers = [1, 2, 3] if family == "deepseek_v2" else [0, 1, 2, 3]
-    steps = profile_schedule(list(profile_cells(len(moe_layers), fp.num_experts_per_tok)), moe_layers, 4,
-                             fp.num_experts_per_tok, prefix_cache=cached)
+    steps = cell_schedule(list(profile_cells(len(moe_layers), fp.num_experts_per_tok)),
+                          profile_start_layer(moe_layers, fp.num_experts_per_tok), 4, prefix_cache=cached)
     tokens, window = 8 * 32, 32
     assert layer_passes(steps, tokens, window) == facts["layer_passes"]
     assert naive_layer_passes(steps, tokens, 4) == facts["naive_layer_passes"]
@@ -65,7 +65,7 @@ def test_the_work_counted_is_the_work_run_and_the_schedule_predicts_it(tok, fami
 
 def test_a_deepseek_v2_lite_shaped_profile_costs_at_most_0_55_of_the_naive_one():
     moe_layers, k_orig, tokens = list(range(1, 27)), 6, 8192        # 27 decoder layers, the first dense
-    steps = profile_schedule(list(profile_cells(26, k_orig)), moe_layers, 27, k_orig)
+    steps = cell_schedule(list(profile_cells(26, k_orig)), profile_start_layer(moe_layers, k_orig), 27)
     assert sum(step.kind == "cell" for step in steps) == 26 * 6 - 25
     assert layer_passes(steps, tokens, 2048) <= 0.55 * naive_layer_passes(steps, tokens, 27)
 

@@ -22,7 +22,7 @@ from allocmoe.models import inspect_model
 from conftest import FAMILIES, KillAfter, build_tiny, relative_difference
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
-CFG = {"seq_len": 32, "max_tokens": 256, "batch_size": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
+CFG = {"seq_len": 32, "calib_tokens": 256, "windows_per_pass": 3, "progress": False}   # 8 windows: batches of 3, 3, 2
 TOKENS = 8 * 32
 
 
@@ -39,8 +39,8 @@ def cap_for(folder, tok, cells_per_walk, config=CFG):
     from allocmoe.scoring.perplexity import tokenize_windows
 
     onloaded = onload.OnloadedModel(inspect_model(folder))
-    windows = tokenize_windows(tok, TEXT, config["seq_len"], config["max_tokens"])
-    return memory_plan(onloaded, windows, config["batch_size"], 10**12).peak(cells_per_walk)
+    windows = tokenize_windows(tok, TEXT, config["seq_len"], config["calib_tokens"])
+    return memory_plan(onloaded, windows, config["windows_per_pass"], 10**12).peak(cells_per_walk)
 
 
 def expected_reads(profile, starts_of_walks, num_decoder_layers):
@@ -192,7 +192,7 @@ def test_the_cli_refuses_a_bad_or_too_small_cap_in_one_line_before_any_weight_is
     assert not out.exists() and not out.with_name("profile.json.partial.json").exists()
     if cap == "1KiB":                                      # the least cap that works, which then works
         least = err[0].split("give at least ")[1].split(",")[0]
-        assert parse_size(least) >= cap_for(folder, tok, 1, {**CFG, "batch_size": 4})
+        assert parse_size(least) >= cap_for(folder, tok, 1, {**CFG, "windows_per_pass": 4})
 
 
 # -- several devices ---------------------------------------------------------------------------------------
@@ -281,7 +281,7 @@ def test_a_model_twice_the_cap_is_profiled_to_the_same_table_under_the_cap_plus_
           f"(cap {CAP_MIB} + overhead {baseline:.0f} + {MARGIN_MIB} = {CAP_MIB + baseline + MARGIN_MIB:.0f})")
     assert peak <= baseline + CAP_MIB + MARGIN_MIB
     whole = profile_sensitivity(str(big_folder), None, (big_folder / "calib.txt").read_text(),
-                                {"max_tokens": 2048, "seq_len": 128, "progress": False})
+                                {"calib_tokens": 2048, "seq_len": 128, "progress": False})
     assert relative_difference(capped["sensitivity"], whole["sensitivity"]) < 1e-5
 
 

@@ -20,7 +20,7 @@ def setup(tok):
     return model, tok
 
 
-CFG = {"seq_len": 32, "max_tokens": 256, "batch_size": 4, "progress": False}
+CFG = {"seq_len": 32, "calib_tokens": 256, "windows_per_pass": 4, "progress": False}
 
 
 def test_profile_cells_dedupe_coinciding_configurations():
@@ -40,7 +40,7 @@ def test_profile_reproduces_hand_applied_configurations_cell_by_cell(setup):
         for k in range(1, K + 1):
             ks = [K] * layer + [k] + [1] * (L - layer - 1)
             with apply_plan(model, static_plan(model, ks)):
-                expected = evaluate_perplexity(model, tok, "", {"batch_size": 4, "progress": False}, windows=windows)
+                expected = evaluate_perplexity(model, tok, "", {"windows_per_pass": 4, "progress": False}, windows=windows)
             assert profile["sensitivity"][layer][k - 1] == pytest.approx(expected.perplexity, rel=1e-9)
 
 
@@ -85,7 +85,7 @@ def test_every_method_makes_a_plan_within_budget(setup, method):
     model, tok = setup
     profile = profile_sensitivity(model, tok, TEXT, CFG)
     plan = allocate("0.5", method, profile=profile, model=model, tokenizer=tok, calib_text=TEXT,
-                    config={"seq_len": 32, "calib_max_tokens": 256})
+                    config={"seq_len": 32, "calib_tokens": 256})
     fp = model_fingerprint(model)
     budget = fp["num_moe_layers"] * fp["k_orig"] / 2
     assert plan.budget == budget and set(plan.layers) == set(fp["moe_layers"])
@@ -93,7 +93,7 @@ def test_every_method_makes_a_plan_within_budget(setup, method):
     if method not in ("top-p", "naee"):
         assert sum(ks) <= budget + 1e-9
     with apply_plan(model, plan) as handle:
-        evaluate_perplexity(model, tok, TEXT, {"seq_len": 32, "max_tokens": 256, "progress": False})
+        evaluate_perplexity(model, tok, TEXT, {"seq_len": 32, "eval_tokens": 256, "progress": False})
         measured = handle.activations_per_token()
     if method in ("uniform", "alloc-t"):
         assert measured == pytest.approx(budget)
@@ -104,7 +104,7 @@ def test_every_method_makes_a_plan_within_budget(setup, method):
 def test_auto_is_never_worse_than_the_methods_it_chooses_from(setup):
     model, tok = setup
     profile = profile_sensitivity(model, tok, TEXT, CFG)
-    cfg = {"seq_len": 32, "calib_max_tokens": 256}
+    cfg = {"seq_len": 32, "calib_tokens": 256}
     plan = allocate("0.5", "auto", profile=profile, model=model, tokenizer=tok, calib_text=TEXT, config=cfg)
     trials = plan.provenance["details"]["trials"]
     chosen = min(t["calibration_perplexity"] for t in trials)

@@ -15,7 +15,7 @@ from allocmoe.pipelines.sweep import sweep
 from allocmoe.models import load_model
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(200))
-SMALL = {"seq_len": 32, "max_tokens": 128, "batch_size": 4}
+SMALL = {"seq_len": 32, "calib_tokens": 128, "windows_per_pass": 4}
 
 
 @pytest.fixture(scope="module")
@@ -28,7 +28,7 @@ def tiny(tiny_folder):
 def _allocation(method):
     def run(model, tok, profile, progress):
         allocate("0.5", method, profile=profile, model=model, tokenizer=tok, calib_text=TEXT,
-                 config={"seq_len": 32, "calib_max_tokens": 128, "lexi_samples": 16, "progress": progress})
+                 config={"seq_len": 32, "calib_tokens": 128, "lexi_samples": 16, "progress": progress})
     return run
 
 
@@ -37,7 +37,7 @@ def _profile(model, tok, profile, progress):
 
 
 def _sweep(model, tok, profile, progress):
-    sweep(model, tok, TEXT, TEXT, {"budgets": ("1/2",), "methods": ("uniform", "alloc-l"), "eval_max_tokens": 128,
+    sweep(model, tok, TEXT, TEXT, {"budgets": ("1/2",), "methods": ("uniform", "alloc-l"), "eval_tokens": 128,
                                    "seq_len": 32, "progress": progress}, profile=profile)
 
 

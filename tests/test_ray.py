@@ -23,10 +23,10 @@ from conftest import KillAfter
 ray = pytest.importorskip("ray")
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(2000))
-CFG = {"seq_len": 32, "max_tokens": 1024, "batch_size": 4, "progress": False}    # one thread, as the workers
+CFG = {"seq_len": 32, "calib_tokens": 1024, "windows_per_pass": 4, "progress": False}    # one thread, as the workers
 RAY = {"ray": "local", "ray_workers": 2, "threads_per_worker": 1}
-SWEEP = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_max_tokens": 256,
-         "seq_len": 32, "batch_size": 4, "progress": False, "profile": ProfileConfig(max_tokens=256, progress=False)}
+SWEEP = {"budgets": ("1/2", "2/3"), "methods": ("uniform", "alloc-moe", "top-p"), "eval_tokens": 256,
+         "seq_len": 32, "windows_per_pass": 4, "progress": False, "profile": ProfileConfig(calib_tokens=256, progress=False)}
 
 
 @pytest.fixture(scope="module")

@@ -95,13 +95,13 @@ def tiny(tiny_folder):
 
 def calib_ppl(model, tok, text, plan):
     with apply_plan(model, plan) as handle:
-        ppl = evaluate_perplexity(model, tok, text, {"seq_len": 64, "max_tokens": 512, "progress": False}).perplexity
+        ppl = evaluate_perplexity(model, tok, text, {"seq_len": 64, "eval_tokens": 512, "progress": False}).perplexity
         return ppl, handle.activations_per_token()
 
 
 def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_score_worse(tiny):
     model, tok, text = tiny
-    config = {"seq_len": 64, "calib_max_tokens": 512, "batch_size": 4, "progress": False}
+    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False}
     plain = allocate(5, "uniform", model=model, config=config)
     plan = allocate(5, "uniform", model=model, tokenizer=tok, calib_text=text,
                     config={**config, "substitute": True, "refine": 12})
@@ -121,8 +121,8 @@ def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(t
     model, tok, text = tiny
     from allocmoe.calibrate.profile import profile_sensitivity
 
-    profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "max_tokens": 512, "progress": False})
-    config = {"seq_len": 64, "calib_max_tokens": 512, "batch_size": 4, "progress": False, "refine": 8}
+    profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
+    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "refine": 8}
     plan = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text, config=config)
     details = plan.provenance["details"]
     trials = details["trials"]

@@ -8,7 +8,12 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from allocmoe import AllocMoeError, Budget
-from allocmoe.core.solver import allocation_cost, solve_allocation
+from allocmoe.core.solver import solve_allocation
+
+
+def allocation_cost(costs, ks):
+    """The summed cost of an allocation: layer i at k_i costs costs[i][k_i - 1]."""
+    return float(sum(costs[i][k - 1] for i, k in enumerate(ks)))
 
 
 def brute_force(costs, budget):

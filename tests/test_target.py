@@ -53,10 +53,10 @@ def test_on_a_tiny_model_the_answer_is_checked_against_every_budget_scored_alone
     scored = {}
     for budget in range(3, 13):                              # every budget of the 3-layer, K=4 model
         with apply_plan(model, allocate(budget, "uniform", model=model)):
-            scored[budget] = evaluate_perplexity(model, tok, text, {"seq_len": 64, "max_tokens": 512,
+            scored[budget] = evaluate_perplexity(model, tok, text, {"seq_len": 64, "eval_tokens": 512,
                                                                       "progress": False}).perplexity
     target = sorted(scored.values())[4] + 1e-9               # met by some budgets, not by others
-    config = {"seq_len": 64, "calib_max_tokens": 512, "batch_size": 4, "progress": False}
+    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False}
     plan = allocate(method="uniform", target_ppl=f"{target!r}", model=model, tokenizer=tok, calib_text=text,
                     config=config)
     found = plan.provenance["target"]
@@ -89,7 +89,7 @@ def test_with_one_moe_layer_the_smallest_budget_is_one_activation_not_the_full_m
     _, tok, text = tiny
     model = build_tiny("qwen2_moe", vocab_size=len(tok), num_hidden_layers=2, max_position_embeddings=256)
     plan = allocate(method="uniform", target_ppl="1000%", model=model, tokenizer=tok, calib_text=text,
-                    config={"seq_len": 64, "calib_max_tokens": 512, "progress": False})
+                    config={"seq_len": 64, "calib_tokens": 512, "progress": False})
     assert plan.provenance["target"]["budget_found"] == 1 and plan.budget == 1.0
     assert [policy.k for policy in plan.layers.values()] == [1]
 

@@ -15,7 +15,7 @@ from allocmoe.errors import AllocMoeError
 from conftest import KillAfter, build_tiny
 
 TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
-CFG = {"seq_len": 32, "max_tokens": 256, "batch_size": 3, "progress": False}
+CFG = {"seq_len": 32, "calib_tokens": 256, "windows_per_pass": 3, "progress": False}
 
 
 @pytest.fixture(autouse=True)
@@ -162,8 +162,8 @@ def test_a_model_in_memory_is_hashed_by_its_tensors_and_a_change_in_place_is_see
 def test_a_sweep_does_not_reuse_the_profile_or_rows_of_other_weights(tok, tmp_path, capsys):
     from allocmoe.pipelines.sweep import sweep
 
-    config = {"budgets": ("1/2",), "methods": ("uniform", "alloc-l"), "eval_max_tokens": 96, "seq_len": 32,
-              "progress": False, "profile": {"max_tokens": 256}}
+    config = {"budgets": ("1/2",), "methods": ("uniform", "alloc-l"), "eval_tokens": 96, "seq_len": 32,
+              "progress": False, "profile": {"calib_tokens": 256}}
     out = tmp_path / "sweep"
 
     def stop(method, fraction):

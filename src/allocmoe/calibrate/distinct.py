@@ -36,14 +36,14 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
+
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..core.budget import read_fraction_or_count, round_half_up
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint
 from ..routing.layout import model_fingerprint
@@ -59,19 +59,20 @@ from .profile import resumed_cells, with_weights
 PROFILE_KIND = "distinct"
 
 
-@config_class(flags={"calib_max_tokens": "--calib-tokens"})
-class DistinctConfig:
+class DistinctConfig(Config):
+    """How the distinct-expert profile is measured: the decode batch it bounds, its grid, calibration."""
+    __config_aliases__ = {"calib_max_tokens": "calib_tokens"}     # deprecated names
+
     decode_batch: int = 16          # sequences decoded side by side: the step whose experts the budget bounds
     k_floor: int = 1                # each token's top experts chosen before any others (DistinctExperts)
-    calib_max_tokens: int = 8192    # calibration tokens scored per cell
-    seq_len: int | None = None      # window; None = min(the model's default, calib_max_tokens // decode_batch)
+    calib_tokens: int = 8192        # calibration tokens scored per cell
+    seq_len: int | None = None      # window; None = min(the model's default, calib_tokens // decode_batch)
     m_step: int = 1                 # profile every m_step-th M (1: every M; between them, linear interpolation)
     prefix_cache: bool = True       # each cell starts at its layer from states computed once: same numbers, less work
     progress: bool = True           # progress bar over the cells (stderr)
 
     def __post_init__(self):
-        check_counts(self, {"decode_batch": 1, "k_floor": 1, "calib_max_tokens": 2, "seq_len": 2, "m_step": 1},
-                     {"calib_max_tokens": "--calib-tokens"})
+        check_counts(self, {"decode_batch": 1, "k_floor": 1, "calib_tokens": 2, "seq_len": 2, "m_step": 1})
 
 
 # -- the budget as typed -------------------------------------------------------------------------
@@ -126,12 +127,12 @@ def check_k_floor(k_floor: int, k_orig: int) -> None:
 # -- calibration windows -------------------------------------------------------------------------
 def distinct_seq_len(model, config: DistinctConfig) -> int:
     """The window: `seq_len`, or the longest that still gives `decode_batch` windows from
-    `calib_max_tokens` tokens (at most the model's default)."""
+    `calib_tokens` tokens (at most the model's default)."""
     if config.seq_len is not None:
         return window_len(model, config.seq_len)
-    seq_len = min(default_seq_len(model), config.calib_max_tokens // config.decode_batch)
+    seq_len = min(default_seq_len(model), config.calib_tokens // config.decode_batch)
     if seq_len < 2:
-        raise AllocMoeError(f"--calib-tokens {config.calib_max_tokens} gives fewer than 2 tokens per window at "
+        raise AllocMoeError(f"--calib-tokens {config.calib_tokens} gives fewer than 2 tokens per window at "
                             f"--decode-batch {config.decode_batch}; give at least {2 * config.decode_batch} "
                             "calibration tokens or a smaller --decode-batch")
     return seq_len
@@ -139,7 +140,7 @@ def distinct_seq_len(model, config: DistinctConfig) -> int:
 
 def distinct_windows(model, tokenizer, calib_text: str, config: DistinctConfig) -> torch.Tensor:
     """The calibration windows [N, S], refused when fewer than `decode_batch` (works on a skeleton)."""
-    windows = tokenize_windows(tokenizer, calib_text, distinct_seq_len(model, config), config.calib_max_tokens)
+    windows = tokenize_windows(tokenizer, calib_text, distinct_seq_len(model, config), config.calib_tokens)
     check_decode_batch(windows, config.decode_batch)
     return windows
 
@@ -196,9 +197,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     windows = distinct_windows(model, tokenizer, calib_text, config)
     fill = check_decode_batch(windows, config.decode_batch)
     routed = torch.cat([windows, windows[:fill]]) if fill else windows                 # [N + fill, S]
-    calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
-                   "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
-                   "top_up_windows": fill, "seq_len": int(windows.size(1)), "max_tokens": config.calib_max_tokens}
+    calibration = _calibration(calib_name, calib_text, windows, fill, config)
     started = time.time()
     unrestricted, union_mean, union_max = measure_union(model, windows, config.decode_batch)
     if on_union is not None:
@@ -213,13 +212,53 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     todo = [cell for cell in cells if _key(cell) not in done]
     run = _cell_run(model, windows, routed, config, fingerprint, todo)
     if config.progress:
-        print(f"distinct profile: {len(cells)} cells ({len(todo)} to run) over {num_layers} MoE layers, "
-              f"{calibration['tokens_scored']} calibration tokens at decode batch {config.decode_batch}, about "
-              f"{run.planned_passes() / max(1, routed.numel() * run.num_decoder_layers):.0f} full-pass equivalents",
-              file=sys.stderr)
+        _announce(len(cells), len(todo), num_layers, calibration["tokens_scored"], config, run, routed.numel())
     bar = CellBar(total=len(cells), initial=len(cells) - len(todo), desc="distinct profile", unit="cell",
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                   disable=not config.progress, work_total=run.planned_passes())
+    try:
+        _score_cells(run, bar, len(cells), done, resume, run_key)
+    finally:
+        bar.close()
+        run.release()
+
+    sensitivity = [_interpolated([(m, done[_key((position, m))]) for m in grid]
+                                 + [(min(union_max[position], num_experts), unrestricted)], num_experts)
+                   for position, grid in enumerate(grids)]
+    profile = {
+        "kind": PROFILE_KIND, "model": fingerprint, "decode_batch": config.decode_batch, "k_floor": config.k_floor,
+        "num_experts": num_experts, "metric": "perplexity", "calibration": calibration,
+        "unrestricted_perplexity": unrestricted, "union_mean": union_mean, "union_max": union_max,
+        "measured": grids, "sensitivity": sensitivity,
+        "provenance": {"cells": len(cells), "cells_resumed": len(cells) - len(todo),
+                       "seconds_this_run": round(time.time() - started, 1), "config": config.model_dump(),
+                       "torch_threads": torch.get_num_threads(),
+                       **_with_unrestricted(run.provenance(), routed.numel())},
+    }
+    if resume and resume.exists():
+        resume.unlink()
+    return profile
+
+
+def _calibration(calib_name: str, calib_text: str, windows: torch.Tensor, fill: int,
+                 config: DistinctConfig) -> dict[str, Any]:
+    """The profile's `calibration` facts (the file keeps the key `max_tokens` for --calib-tokens)."""
+    return {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
+            "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
+            "top_up_windows": fill, "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens}
+
+
+def _announce(cells: int, todo: int, num_layers: int, tokens: int, config: DistinctConfig, run, routed: int) -> None:
+    """The line on stderr that says how much work the distinct profile is, before it starts."""
+    print(f"distinct profile: {cells} cells ({todo} to run) over {num_layers} MoE layers, "
+          f"{tokens} calibration tokens at decode batch {config.decode_batch}, about "
+          f"{run.planned_passes() / max(1, routed * run.num_decoder_layers):.0f} full-pass equivalents",
+          file=sys.stderr)
+
+
+def _score_cells(run, bar, total: int, done: dict[str, float], resume: Path | None, run_key) -> None:
+    """Take each cell's perplexity as it arrives into `done`, kept in the resume file after each; a
+    Ctrl-C with cells kept becomes Interrupted, naming them."""
     arrivals = run.cells(bar)
     try:
         for cell, ppl in arrivals:
@@ -230,30 +269,9 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
     except KeyboardInterrupt as exc:
         if resume is None or not done or isinstance(exc, Interrupted):
             raise
-        raise Interrupted(f"{len(done)} of {len(cells)} distinct-profile cells kept in {resume}") from exc
+        raise Interrupted(f"{len(done)} of {total} distinct-profile cells kept in {resume}") from exc
     finally:
         arrivals.close()
-        bar.close()
-        run.release()
-
-    sensitivity = []
-    for position, grid in enumerate(grids):
-        points = [(m, done[_key((position, m))]) for m in grid] + [(min(union_max[position], num_experts),
-                                                                   unrestricted)]
-        sensitivity.append(_interpolated(points, num_experts))
-    profile = {
-        "kind": PROFILE_KIND, "model": fingerprint, "decode_batch": config.decode_batch, "k_floor": config.k_floor,
-        "num_experts": num_experts, "metric": "perplexity", "calibration": calibration,
-        "unrestricted_perplexity": unrestricted, "union_mean": union_mean, "union_max": union_max,
-        "measured": grids, "sensitivity": sensitivity,
-        "provenance": {"cells": len(cells), "cells_resumed": len(cells) - len(todo),
-                       "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
-                       "torch_threads": torch.get_num_threads(),
-                       **_with_unrestricted(run.provenance(), routed.numel())},
-    }
-    if resume and resume.exists():
-        resume.unlink()
-    return profile
 
 
 def _interpolated(points: list[tuple[int, float]], num_experts: int) -> list[float]:

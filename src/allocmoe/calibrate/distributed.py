@@ -25,11 +25,12 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
+from ..core.config import replaced
 from ..errors import AllocMoeError
 
 INSTALL_HINT = "--ray needs Ray; pip install 'allocmoe[ray]'"
@@ -226,7 +227,7 @@ class RayProfileRun:
         self.started_ray, workers = connect(settings) if todo else (False, 0)
         try:                                             # a Ray this run started never outlives a failed setup
             if todo:
-                worker_config = replace(config, progress=False, ray=None, ray_workers=None, threads_per_worker=1)
+                worker_config = replaced(config, progress=False, ray=None, ray_workers=None, threads_per_worker=1)
                 job = _ProfileJob(windows, worker_config, fingerprint, cell_run)
                 self.pool = RayPool(ProfileWorker, spec, job, settings, workers,
                                     "the finished cells are kept in the partial file, rerun to resume")

@@ -27,7 +27,7 @@ calibration text: their real cost drifts with the input, so always report measur
 from __future__ import annotations
 
 import math
-from dataclasses import asdict
+
 from typing import Any, MutableMapping
 
 import torch
@@ -35,7 +35,7 @@ from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config, replaced
 from ..errors import AllocMoeError
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.plan import Plan, check_fingerprint
@@ -49,14 +49,16 @@ METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "d
 CONFIG_METHODS = ("uniform", "ascending", "descending", "alloc-t")    # the model's config is all they read
 
 
-@config_class(flags={"calib_max_tokens": "--calib-tokens", "lexi_samples": "AllocateConfig.lexi_samples",
-                  "seed": "AllocateConfig.seed"})
-class AllocateConfig:
+class AllocateConfig(Config):
+    """How a plan is made from a budget: Alloc-T's settings, calibration, and the add-ons."""
+    __config_aliases__ = {"calib_max_tokens": "calib_tokens", "batch_size": "windows_per_pass"}   # deprecated
+    __config_flags__ = {"lexi_samples": "AllocateConfig.lexi_samples", "seed": "AllocateConfig.seed"}   # no flag
+
     k_base: int = 1                 # Alloc-T: experts every token keeps (the paper's default, near-best)
     pool: str = "batch"             # Alloc-T pool: "batch" (all tokens of a pass) or "sequence"
-    calib_max_tokens: int = 8192    # calibration tokens for top-p/naee thresholds and auto's trials
+    calib_tokens: int = 8192        # calibration tokens for top-p/naee thresholds and auto's trials
     seq_len: int | None = None      # calibration window; None = min(2048, the model's limit)
-    batch_size: int = 4             # windows per forward pass in calibration
+    windows_per_pass: int = 4       # windows per forward pass in calibration
     lexi_samples: int = 512         # Gaussian inputs per layer for LExI's deviation profile
     seed: int = 0                   # LExI's input seed
     progress: bool = True           # progress bar (stderr) for the methods that run the model: lexi, top-p, naee, auto
@@ -65,10 +67,10 @@ class AllocateConfig:
     substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
                                     # on the shipped models rank 8 kept half the loss the means left (quality.md)
 
-    def __post_init__(self):        # types are checked by @config_class before this runs
+    def __post_init__(self):        # types are checked by Config.__init__ before this runs
         if self.pool not in ("batch", "sequence"):
             raise AllocMoeError(f"pool (--pool) must be 'batch' or 'sequence', got {self.pool!r}; give one of those")
-        check_counts(self, {"k_base": 0, "calib_max_tokens": 2, "seq_len": 2, "batch_size": 1, "lexi_samples": 1,
+        check_counts(self, {"k_base": 0, "calib_tokens": 2, "seq_len": 2, "windows_per_pass": 1, "lexi_samples": 1,
                             "seed": 0, "refine": 0, "substitute_rank": 0},
                      most={"lexi_samples": 1 << 20, "seed": 2**63 - 1})
 
@@ -165,11 +167,11 @@ class _CandidateRecorder:
 def _calibration_windows(model, tokenizer, calib_text: str | None, config: AllocateConfig) -> torch.Tensor:
     if calib_text is None or tokenizer is None:
         raise AllocMoeError("this method needs calibration text and a tokenizer")
-    default = AllocateConfig.__dataclass_fields__["calib_max_tokens"].default     # "up to": a shorter text is fine
-    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_max_tokens,
-                               beyond=None if config.calib_max_tokens == default
-                               else "calib_max_tokens (--calib-tokens)")
-    check_batch_size(windows, config.batch_size)
+    default = AllocateConfig.model_fields["calib_tokens"].default     # "up to": a shorter text is fine
+    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_tokens,
+                               beyond=None if config.calib_tokens == default
+                               else "calib_tokens (--calib-tokens)")
+    check_batch_size(windows, config.windows_per_pass)
     return windows
 
 
@@ -181,7 +183,7 @@ def _candidate_tables(model, windows, config: AllocateConfig, desc: str = "calib
     device = next(model.parameters()).device
     with apply_plan(model, static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])) as handle:
         handle.context.recorders.append(recorder)
-        with tqdm(windows.split(config.batch_size), desc=desc, unit="batch", disable=not config.progress) as bar:
+        with tqdm(windows.split(config.windows_per_pass), desc=desc, unit="batch", disable=not config.progress) as bar:
             for batch in bar:
                 model(input_ids=batch.to(device))
     return recorder.tables()
@@ -397,14 +399,14 @@ def addons(method: str, config: AllocateConfig) -> tuple[bool, int]:
 
 def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
     with apply_plan(model, plan):
-        return evaluate_perplexity(model, None, "", {"batch_size": config.batch_size, "progress": False},
+        return evaluate_perplexity(model, None, "", {"windows_per_pass": config.windows_per_pass, "progress": False},
                                    windows=windows).perplexity
 
 
 def _measure_means(model, windows, config: AllocateConfig):
     from .means import measure_expert_means
 
-    return measure_expert_means(model, windows, config.batch_size, progress=config.progress,
+    return measure_expert_means(model, windows, config.windows_per_pass, progress=config.progress,
                                 rank=config.substitute_rank)
 
 
@@ -461,20 +463,18 @@ def _allocate_plain(budget, method: str, profile, model, tokenizer, calib_text, 
 def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, calib_text,
                          config: AllocateConfig) -> Plan:
     """Bisect over whole budgets for the smallest whose `method` plan meets the target (calibrate/target.py)."""
-    from dataclasses import replace
-
     from .target import parse_target, smallest_budget, target_provenance
 
     if model is None:
         raise AllocMoeError("a perplexity target needs the model (and calibration text) to score plans; "
                             "pass model=, tokenizer= and calib_text=")
     windows = _calibration_windows(model, tokenizer, calib_text, config)
-    score = {"batch_size": config.batch_size, "progress": False}
+    score = {"windows_per_pass": config.windows_per_pass, "progress": False}
     full_ppl = evaluate_perplexity(model, None, "", score, windows=windows).perplexity
     target = parse_target(target_ppl, full_ppl)
     fingerprint = _fingerprint(profile, model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
-    inner = replace(config, progress=False)          # one bar for the search, none per step
+    inner = replaced(config, progress=False)          # one bar for the search, none per step
     plans: dict[int, Plan] = {}
     steps = max(1, math.ceil(math.log2(num_layers * (k_orig - 1) + 1))) + 1
     bar = tqdm(total=steps, desc=f"target ppl {target:.4g}", unit="budget", disable=not config.progress)
@@ -514,7 +514,7 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
     with tqdm(total=len(candidates) * len(modes), desc="auto", unit="trial", disable=not config.progress) as bar:
         for method, k_base in candidates:
             trial_k_base = config.k_base if k_base is None else k_base
-            trial_config = AllocateConfig(**{**asdict(config), "k_base": trial_k_base, "substitute": False,
+            trial_config = AllocateConfig(**{**config.model_dump(), "k_base": trial_k_base, "substitute": False,
                                              "refine": 0})
             for with_means in modes:
                 bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else "")
@@ -532,7 +532,7 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
                                               "substitute": best["substitute"]},
                                    "trials": [{k: v for k, v in t.items() if k != "plan"} for t in trials]}}
     if refine:
-        chosen_config = AllocateConfig(**{**asdict(config), "k_base": config.k_base if best["k_base"] is None
+        chosen_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if best["k_base"] is None
                                           else best["k_base"]})
         plan = _refined(plan, model, windows, chosen_config, refine, refine_memo)
     return plan

@@ -60,12 +60,10 @@ def start_position(configuration: tuple[int, ...], k_orig: int) -> int:
     return next((pos for pos, k in enumerate(configuration) if k != k_orig), len(configuration) - 1)
 
 
-def profile_schedule(configurations: list[tuple[int, ...]], moe_layers: list[int], num_decoder_layers: int,
-                     k_orig: int, prefix_cache: bool = True) -> list[Step]:
-    """The passes that profile `configurations`, in order (cell_schedule, each configuration
-    starting at its first MoE layer below K_orig)."""
-    return cell_schedule(configurations, lambda cfg: moe_layers[start_position(cfg, k_orig)], num_decoder_layers,
-                         prefix_cache)
+def profile_start_layer(moe_layers: list[int], k_orig: int) -> Callable[[tuple[int, ...]], int]:
+    """`start_layer` of the profile's cells (cell_schedule, profile.cell_run): the decoder layer of a
+    configuration's first MoE layer below K_orig, where it first differs from the unmodified model."""
+    return lambda configuration: moe_layers[start_position(configuration, k_orig)]
 
 
 def cell_schedule(cells: list, start_layer: Callable[[Any], int], num_decoder_layers: int,

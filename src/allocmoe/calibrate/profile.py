@@ -41,14 +41,13 @@ import math
 import os
 import sys
 import time
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any, Callable
 
 import torch
 
 from ..routing.apply import static_plan
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..errors import AllocMoeError, Interrupted
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, read_json
@@ -59,16 +58,18 @@ from ..core.plan import check_fingerprint
 from ..routing.layout import model_fingerprint
 from .onload import OnloadedModel
 from .cells import CellBar, CellRun
-from .prefix import start_position
+from .prefix import profile_start_layer, start_position
 from .walk import WalkRun, memory_plan, whole_model_facts
 
 
 
-@config_class(flags={"max_tokens": "--calib-tokens"})
-class ProfileConfig:
+class ProfileConfig(Config):
+    """How the sensitivity profile is measured: calibration windows, batching, and where it runs."""
+    __config_aliases__ = {"max_tokens": "calib_tokens", "batch_size": "windows_per_pass"}   # deprecated names
+
     seq_len: int | None = None     # calibration window; None = min(2048, the model's position limit)
-    max_tokens: int = 8192         # calibration tokens scored per configuration (the paper does not say)
-    batch_size: int = 4            # windows per forward pass
+    calib_tokens: int = 8192       # calibration tokens scored per configuration (the paper does not say)
+    windows_per_pass: int = 4      # windows per forward pass
     progress: bool = True          # show a progress bar with cells done and time left
     prefix_cache: bool = True      # start each cell at its layer from states computed once: same numbers, half the work
     max_memory: int | str | None = None   # bytes or '300MiB': a model bigger than memory, read layer by layer
@@ -85,7 +86,7 @@ class ProfileConfig:
             from .walk import parse_size
 
             self.max_memory = parse_size(self.max_memory)
-        check_counts(self, {"seq_len": 2, "max_tokens": 2, "batch_size": 1}, {"max_tokens": "--calib-tokens"})
+        check_counts(self, {"seq_len": 2, "calib_tokens": 2, "windows_per_pass": 1})
 
 
 def check_ray_fields(config, owner: str) -> None:
@@ -137,14 +138,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
         model = spec.skeleton()                      # the layout, no weights: loaded below once the work is known
     fingerprint = with_weights(model_fingerprint(model), spec if spec is not None else model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
-    seq_len = window_len(model, config.seq_len)
-    windows = tokenize_windows(tokenizer, calib_text, seq_len, config.max_tokens,      # the default: "up to"
-                               beyond=None if config.max_tokens == ProfileConfig.max_tokens
-                               else "max_tokens (--calib-tokens)")
-    check_batch_size(windows, config.batch_size)
-    calibration = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
-                   "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
-                   "seq_len": int(windows.size(1)), "max_tokens": config.max_tokens, "batch_size": config.batch_size}
+    windows, calibration = _calibration(model, tokenizer, calib_text, calib_name, config)
     run_key = {"model": fingerprint, "calibration": calibration}
 
     partial_path = Path(f"{output}.partial.json") if output else None
@@ -152,8 +146,7 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     configs = profile_cells(num_layers, k_orig)
     todo = [cfg for cfg in configs if _key(cfg) not in done]
 
-    started = time.time()
-    onloaded = None
+    started, onloaded = time.time(), None
     if config.ray is not None:
         run = _ray_run(spec, windows, config, fingerprint, todo)
     elif spec is not None and todo:
@@ -163,6 +156,50 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
     bar = CellBar(total=len(configs), initial=len(configs) - len(todo), desc="profile", unit="cell",
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                   disable=not config.progress, work_total=run.planned_passes())
+    try:
+        _score_cells(run, bar, configs, done, partial_path, run_key, on_cell)
+    finally:
+        bar.close()
+        run.release()
+        if onloaded is not None:
+            onloaded.release()
+
+    sensitivity = [[0.0] * k_orig for _ in range(num_layers)]
+    for cfg, filled in configs.items():
+        for layer, k in filled:
+            sensitivity[layer][k - 1] = done[_key(cfg)]
+    profile = {
+        "format_version": FORMAT_VERSION, "model": fingerprint, "k_orig": k_orig, "num_layers": num_layers,
+        "metric": "perplexity", "calibration": calibration, "sensitivity": sensitivity,
+        "provenance": {"configurations_run": len(configs), "configurations_resumed": len(configs) - len(todo),
+                       "seconds_this_run": round(time.time() - started, 1), "config": config.model_dump(),
+                       "torch_threads": config.threads_per_worker if config.ray is not None else torch.get_num_threads(),
+                       **run.provenance()},
+    }
+    if output:
+        atomic_write_json(output, profile)
+        if partial_path and partial_path.exists():
+            partial_path.unlink()
+    return profile
+
+
+def _calibration(model, tokenizer, calib_text: str, calib_name: str, config: ProfileConfig):
+    """(windows, the profile's `calibration` facts): the text cut into windows, refused when too short
+    for a window, for --calib-tokens (beyond the default's "up to") or for --windows-per-pass. The
+    file keeps its keys `max_tokens` and `batch_size` (formats.Calibration)."""
+    default = ProfileConfig.model_fields["calib_tokens"].default      # "up to": a shorter text is fine
+    windows = tokenize_windows(tokenizer, calib_text, window_len(model, config.seq_len), config.calib_tokens,
+                               beyond=None if config.calib_tokens == default else "calib_tokens (--calib-tokens)")
+    check_batch_size(windows, config.windows_per_pass)
+    return windows, {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
+                     "tokens_scored": int(windows.numel() - windows.size(0)), "windows": int(windows.size(0)),
+                     "seq_len": int(windows.size(1)), "max_tokens": config.calib_tokens,
+                     "batch_size": config.windows_per_pass}
+
+
+def _score_cells(run, bar, configs, done: dict[str, float], partial_path, run_key, on_cell) -> None:
+    """Take each cell's perplexity as it arrives into `done`, kept in the partial file after each; a
+    Ctrl-C with cells kept becomes Interrupted, naming them."""
     arrivals = run.cells(bar)
     try:
         for cfg, ppl in arrivals:
@@ -178,28 +215,6 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
         raise Interrupted(f"{len(done)} of {len(configs)} cells kept in {partial_path}") from exc
     finally:
         arrivals.close()                             # its workers stop before Ray does
-        bar.close()
-        run.release()
-        if onloaded is not None:
-            onloaded.release()
-
-    sensitivity = [[0.0] * k_orig for _ in range(num_layers)]
-    for cfg, filled in configs.items():
-        for layer, k in filled:
-            sensitivity[layer][k - 1] = done[_key(cfg)]
-    profile = {
-        "format_version": FORMAT_VERSION, "model": fingerprint, "k_orig": k_orig, "num_layers": num_layers,
-        "metric": "perplexity", "calibration": calibration, "sensitivity": sensitivity,
-        "provenance": {"configurations_run": len(configs), "configurations_resumed": len(configs) - len(todo),
-                       "seconds_this_run": round(time.time() - started, 1), "config": asdict(config),
-                       "torch_threads": config.threads_per_worker if config.ray is not None else torch.get_num_threads(),
-                       **run.provenance()},
-    }
-    if output:
-        atomic_write_json(output, profile)
-        if partial_path and partial_path.exists():
-            partial_path.unlink()
-    return profile
 
 
 def _check_arguments(model, tokenizer, calib_text, output, calib_name, on_cell) -> None:
@@ -256,7 +271,7 @@ def _folder_run(spec, tokenizer, windows: torch.Tensor, config: ProfileConfig, f
         model, _ = spec.load()
         return model, None, cell_run(model, tokenizer, windows, config, fingerprint, todo)
     onloaded = OnloadedModel(spec)
-    plan = memory_plan(onloaded, windows, config.batch_size, config.max_memory)
+    plan = memory_plan(onloaded, windows, config.windows_per_pass, config.max_memory)
     if plan.fits():
         for name in onloaded.pieces:
             onloaded.load(name)
@@ -284,10 +299,10 @@ def cell_run(model, tokenizer, windows: torch.Tensor, config: ProfileConfig, fin
     """The profile's cells on a loaded model (cells.py): each configuration starts at its first MoE
     layer below K_orig and is scored by the perplexity evaluation, unchanged."""
     moe_layers, k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
-    ppl_config = {"batch_size": config.batch_size, "progress": False}
+    ppl_config = {"windows_per_pass": config.windows_per_pass, "progress": False}
     return CellRun(
-        model, windows, config.batch_size, todo, prefix_cache=config.prefix_cache, facts=facts,
-        start_layer=lambda cfg: moe_layers[start_position(cfg, k_orig)],
+        model, windows, config.windows_per_pass, todo, prefix_cache=config.prefix_cache, facts=facts,
+        start_layer=profile_start_layer(moe_layers, k_orig),
         plan_for=lambda cfg: static_plan(model, list(cfg), method="profile"),
         score=lambda: evaluate_perplexity(model, tokenizer, "", ppl_config, windows=windows).perplexity,
         label=lambda cfg: f"MoE layer {start_position(cfg, k_orig) + 1}/{len(moe_layers)}")

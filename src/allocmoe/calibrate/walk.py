@@ -106,7 +106,7 @@ class MemoryPlan:
                 f"layer: it needs at least {format_size(self.minimum)} (its largest piece of weights with its working "
                 f"memory {format_size(self.working)}, small weights held throughout {format_size(self.resident)}, "
                 f"two streams of hidden states {format_size(2 * self.stream)}); give at least "
-                f"{format_size(self.minimum)}, or fewer --calib-tokens or a smaller --batch-size")
+                f"{format_size(self.minimum)}, or fewer --calib-tokens or a smaller --windows-per-pass")
 
 
 def memory_plan(onloaded: OnloadedModel, windows: torch.Tensor, batch_size: int, cap: int) -> MemoryPlan:
@@ -180,7 +180,7 @@ class WalkRun:
                  todo: list[tuple[int, ...]], plan: MemoryPlan):
         self.onloaded, self.model, self.layers = onloaded, onloaded.model, onloaded.layers
         self.windows, self.config, self.plan = windows, config, plan
-        self.batches = windows.split(config.batch_size)
+        self.batches = windows.split(config.windows_per_pass)
         self.moe_layers, self.k_orig = fingerprint["moe_layers"], fingerprint["k_orig"]
         self.k_all = (self.k_orig,) * len(self.moe_layers)
         self.num_decoder_layers = len(self.layers)

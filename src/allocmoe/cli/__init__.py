@@ -68,7 +68,7 @@ def main(argv: list[str] | None = None) -> None:
               "allocmoe: interrupted", file=sys.stderr)
         sys.exit(130)
     except MemoryError:
-        print("allocmoe: error: out of memory; lower --batch-size or --seq-len", file=sys.stderr)
+        print("allocmoe: error: out of memory; lower --windows-per-pass (bench: --sequences) or --seq-len", file=sys.stderr)
         sys.exit(2)
     except BrokenPipeError:        # output piped into `head` and the like: stop quietly, as Unix tools do
         os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())

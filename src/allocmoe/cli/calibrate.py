@@ -57,7 +57,7 @@ def add_parsers(sub) -> None:
                         "text (0.5, 1/2, 50%%) or an average count per layer (e.g. 16); see docs/methods.md")
     p.add_argument("--decode-batch", type=positive_int, default=None, metavar="B",
                    help="with --max-distinct-experts: sequences decoded side by side, the step the budget bounds "
-                        "(default 16; replaces --batch-size)")
+                        "(default 16; replaces --windows-per-pass)")
     p.add_argument("--k-floor", type=positive_int, default=None,
                    help="with --max-distinct-experts: each token's top experts chosen first (default 1)")
     p.add_argument("--m-step", type=positive_int, default=None, metavar="N",
@@ -68,7 +68,7 @@ def add_parsers(sub) -> None:
     add_prefix_cache(p)
     add_quiet(p)
     # None: not given (the defaults are filled in by cmd_allocate), so a flag the run would not read is refused
-    p.set_defaults(func=cmd_allocate, batch_size=None, calib_tokens=None, prefix_cache=None)
+    p.set_defaults(func=cmd_allocate, windows_per_pass=None, calib_tokens=None, prefix_cache=None)
 
 
 # -- which flags a run reads ------------------------------------------------------------------------------
@@ -84,7 +84,7 @@ ALLOCATE_READERS = {
                        "(alloc-moe or alloc-l without --profile) read calibration text"),
     "--seq-len": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
                   "(alloc-moe or alloc-l without --profile) run the model on text"),
-    "--batch-size": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
+    "--windows-per-pass": ("calibration", "only top-p, naee, auto, --target-ppl, --substitute, --refine and profiling "
                      "(alloc-moe or alloc-l without --profile) run the model on text"),
     "--no-prefix-cache": ("profiling", "only profiling (alloc-moe, alloc-l or auto without --profile) reads it"),
 }
@@ -113,27 +113,27 @@ def cmd_profile(args) -> None:
     check_output_file(args.output, inputs={"--calib-text": args.calib_text, "--model": args.model},
                       writes=(f"{args.output}.partial.json",))
     text, name = read_text(args.calib_text, "calibration")
-    config = ProfileConfig(seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
+    config = ProfileConfig(seq_len=args.seq_len, calib_tokens=args.calib_tokens, windows_per_pass=args.windows_per_pass,
                            progress=not args.quiet, prefix_cache=args.prefix_cache, max_memory=args.max_memory,
                            ray=args.ray, ray_workers=args.ray_workers)
     spec = inspect(args)
-    check_calibration(spec, text, args.seq_len, args.calib_tokens, args.batch_size, "max_tokens")
+    check_calibration(spec, text, args.seq_len, args.calib_tokens, args.windows_per_pass)
     folder = config.max_memory is not None or config.ray is not None     # loaded by the walk or the workers
     model, tok = (spec, spec.tokenizer()) if folder else load(args, spec)
     profile = profile_sensitivity(model, tok, text, config, output=args.output, calib_name=name)
     print(f"wrote {args.output}: {profile['num_layers']} layers x k=1..{profile['k_orig']}", file=sys.stderr)
 
 
-def check_calibration(spec, text: str, seq_len: int | None, calib_tokens: int, batch_size: int,
-                      field: str = "calib_max_tokens") -> None:
+def check_calibration(spec, text: str, seq_len: int | None, calib_tokens: int, windows_per_pass: int,
+                      field: str = "calib_tokens") -> None:
     """The library's checks of a calibration run, before the weights load: the text long enough for a
     window, --calib-tokens no more than the text has (8192, the default, reads as "up to") and
-    --batch-size no more windows than the text gives."""
+    --windows-per-pass no more windows than the text gives."""
     from ..scoring.perplexity import check_batch_size, tokenize_windows
 
     windows = tokenize_windows(spec.tokenizer(), text, check_seq_len(spec, seq_len), calib_tokens,
                                beyond=None if calib_tokens == 8192 else f"{field} (--calib-tokens)")
-    check_batch_size(windows, batch_size)
+    check_batch_size(windows, windows_per_pass)
 
 
 def cmd_allocate(args) -> None:
@@ -141,19 +141,47 @@ def cmd_allocate(args) -> None:
     the method never loads them; the budget; the calibration text), then the weights load only for the
     runs that need them (weights_reason: the methods that run the model, or profile first): the others
     read config.json alone, so a folder without weights is refused only for those that need them."""
-    from ..calibrate.methods import (ADDON_METHODS, K_BASE_METHODS, PROFILE_METHODS, AllocateConfig, addons,
-                                     allocate, check_k_base, weightless_message, weights_reason)
-    from ..calibrate.refine import SavedScores
-    from ..calibrate.profile import ProfileConfig, load_profile, profile_sensitivity
-    from ..core.budget import Budget
+    from ..calibrate.methods import allocate
+    from ..calibrate.profile import ProfileConfig, profile_sensitivity
     from ..texts import read_text
-
-    from ..calibrate.target import parse_target
 
     check_output_file(args.output, inputs={"--profile": args.profile, "--calib-text": args.calib_text,
                       "--model": args.model}, writes=output_companions(args.output))
     if args.max_distinct_experts is not None:
         return _allocate_distinct(args)
+    given = _allocate_flags(args)
+    config = _allocate_config(args)
+    run = _AllocateRun(args, config, given)
+    text = name = None
+    if run.calibrates or args.calib_text is not None:
+        text, name = read_text(args.calib_text, "calibration")
+    if run.calibrates:
+        check_calibration(run.spec, text, args.seq_len, args.calib_tokens, args.windows_per_pass)
+    model, tok = run.skeleton, None
+    if run.needs_weights is not None:
+        model, tok = load(args, run.spec)
+    profile = run.profile
+    if run.profiles_first:
+        print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
+        profile = profile_sensitivity(model, tok, text, ProfileConfig(
+            seq_len=args.seq_len, calib_tokens=args.calib_tokens, windows_per_pass=args.windows_per_pass,
+            progress=not args.quiet, prefix_cache=args.prefix_cache), calib_name=name)
+    memo = _refine_memo(args, config, run, profile, name)
+    plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok,
+                    calib_text=text if run.calibrates else None, config=config, target_ppl=args.target_ppl,
+                    refine_memo=memo)
+    plan.save(args.output)
+    if memo is not None:
+        memo.finish()
+    _say_plan(args, plan)
+
+
+def _allocate_flags(args) -> dict[str, object]:
+    """allocate's flags on their own, before the model is looked at: no latency-budget flag without
+    --max-distinct-experts, one of --budget and --target-ppl (in its form). Returns the optional flags
+    as given (None when not), for refuse_unread, and fills in the defaults of those not given."""
+    from ..calibrate.target import parse_target
+
     for flag, value in (("--decode-batch", args.decode_batch), ("--k-floor", args.k_floor), ("--m-step", args.m_step)):
         if value is not None:
             raise AllocMoeError(f"{flag} applies only with --max-distinct-experts; give --max-distinct-experts M "
@@ -165,16 +193,24 @@ def cmd_allocate(args) -> None:
     if args.target_ppl is not None:
         parse_target(args.target_ppl, 1.0)           # its form, before any work; its value needs the model
     given = {"--profile": args.profile, "--k-base": args.k_base, "--pool": args.pool, "--calib-text": args.calib_text,
-             "--calib-tokens": args.calib_tokens, "--seq-len": args.seq_len, "--batch-size": args.batch_size,
-             "--no-prefix-cache": args.prefix_cache}
+             "--calib-tokens": args.calib_tokens, "--seq-len": args.seq_len,
+             "--windows-per-pass": args.windows_per_pass, "--no-prefix-cache": args.prefix_cache}
     args.method = args.method or "auto"
     args.k_base = 1 if args.k_base is None else args.k_base
     args.pool = args.pool or "batch"
     args.calib_tokens = 8192 if args.calib_tokens is None else args.calib_tokens
-    args.batch_size = 4 if args.batch_size is None else args.batch_size
+    args.windows_per_pass = 4 if args.windows_per_pass is None else args.windows_per_pass
     args.prefix_cache = args.prefix_cache is not False
-    config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_max_tokens=args.calib_tokens,
-                            seq_len=args.seq_len, batch_size=args.batch_size, progress=not args.quiet,
+    return given
+
+
+def _allocate_config(args):
+    """The AllocateConfig the flags give (checked as the library checks it), and the add-on flags'
+    agreement with the method."""
+    from ..calibrate.methods import ADDON_METHODS, AllocateConfig, addons
+
+    config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_tokens=args.calib_tokens,
+                            seq_len=args.seq_len, windows_per_pass=args.windows_per_pass, progress=not args.quiet,
                             substitute=args.substitute, refine=args.refine,
                             **({} if args.substitute_rank is None else {"substitute_rank": args.substitute_rank}))
     substitute, refine = addons(args.method, config)
@@ -184,60 +220,76 @@ def cmd_allocate(args) -> None:
     if (substitute or refine) and args.method not in ADDON_METHODS:
         raise AllocMoeError(f"--method {args.method} cannot take --substitute or --refine (they need a budget-exact "
                             f"top-k allocation); use one of {', '.join(ADDON_METHODS)}, or drop those flags")
-    spec = inspect(args, require_weights=False)
-    needs_weights = weights_reason(args.method, profile_given=args.profile is not None, target_ppl=args.target_ppl,
-                                   substitute=substitute, refine=refine)
-    if needs_weights is not None and not spec.has_weights:
-        raise AllocMoeError(weightless_message(spec.path, needs_weights))
-    skeleton = spec.skeleton()
-    if substitute and config.substitute_rank > skeleton.config.hidden_size:
-        raise AllocMoeError(f"--substitute-rank {config.substitute_rank} is above this model's hidden size "
-                            f"{skeleton.config.hidden_size}; give {skeleton.config.hidden_size} or less")
-    if substitute:
-        from ..calibrate.means import check_fit_memory
+    return config
 
-        check_fit_memory(spec.fingerprint()["num_experts"], skeleton.config.hidden_size, config.substitute_rank)
-    profile = load_profile(args.profile, skeleton) if args.profile else None
-    fingerprint = spec.fingerprint()
-    if args.budget is not None:
-        Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
-    else:
-        from ..calibrate.target import check_target_reach
 
-        check_target_reach(args.target_ppl, getattr(skeleton.config, "vocab_size", None))
-    seq_len = check_seq_len(spec, args.seq_len)
-    profiles_first = profile is None and args.method in PROFILE_METHODS + ("auto",)
-    calibrates = (profiles_first or args.method in ("top-p", "naee", "auto") or args.target_ppl is not None
-                  or substitute or refine)
-    refuse_unread(given, allocate_reads(args.method, profile_given=profile is not None, calibrates=calibrates,
-                                        profiles=profiles_first),
-                  ALLOCATE_READERS, f"--method {args.method}" + (" with --target-ppl" if args.target_ppl else ""))
-    if args.method in K_BASE_METHODS:
-        check_k_base(args.k_base, args.method, fingerprint["k_orig"], args.budget, skeleton, profile)
-    text = name = None
-    if calibrates or args.calib_text is not None:
-        text, name = read_text(args.calib_text, "calibration")
-    if calibrates:
-        check_calibration(spec, text, args.seq_len, args.calib_tokens, args.batch_size)
-    model, tok = skeleton, None
-    if needs_weights is not None:
-        model, tok = load(args, spec)
-    if profiles_first:
-        print("no --profile given: profiling first (save one with `allocmoe profile` to reuse it)", file=sys.stderr)
-        profile = profile_sensitivity(model, tok, text, ProfileConfig(
-            seq_len=args.seq_len, max_tokens=args.calib_tokens, batch_size=args.batch_size,
-            progress=not args.quiet, prefix_cache=args.prefix_cache), calib_name=name)
-    memo = SavedScores(f"{args.output}.refine.partial.json", {
-        "model": fingerprint, "method": args.method, "budget": args.budget, "k_base": args.k_base, "pool": args.pool,
-        "substitute": args.substitute, "substitute_rank": config.substitute_rank, "calibration": name,
-        "calib_tokens": args.calib_tokens, "seq_len": seq_len,
-        "profile": profile["sensitivity"] if profile else None}) if refine and args.target_ppl is None else None
-    plan = allocate(args.budget, args.method, profile=profile, model=model, tokenizer=tok,
-                    calib_text=text if calibrates else None, config=config, target_ppl=args.target_ppl,
-                    refine_memo=memo)
-    plan.save(args.output)
-    if memo is not None:
-        memo.finish()
+class _AllocateRun:
+    """An allocate run checked against the model folder before any weights load: whether it needs the
+    weights, the profile (checked against the model's layout), the budget or target, --seq-len, the
+    flags it would not read, k_base; what it does (calibrates, profiles first)."""
+
+    def __init__(self, args, config, given: dict[str, object]):
+        from ..calibrate.methods import K_BASE_METHODS, PROFILE_METHODS, addons, check_k_base, weights_reason
+        from ..calibrate.profile import load_profile
+        from ..core.budget import Budget
+
+        substitute, self.refine = addons(args.method, config)
+        self.spec = spec = inspect(args, require_weights=False)
+        self.needs_weights = weights_reason(args.method, profile_given=args.profile is not None,
+                                            target_ppl=args.target_ppl, substitute=substitute, refine=self.refine)
+        self.skeleton = skeleton = self._check_weights(spec, config, substitute)
+        self.profile = profile = load_profile(args.profile, skeleton) if args.profile else None
+        self.fingerprint = fingerprint = spec.fingerprint()
+        if args.budget is not None:
+            Budget.parse(args.budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
+        else:
+            from ..calibrate.target import check_target_reach
+
+            check_target_reach(args.target_ppl, getattr(skeleton.config, "vocab_size", None))
+        self.seq_len = check_seq_len(spec, args.seq_len)
+        self.profiles_first = profile is None and args.method in PROFILE_METHODS + ("auto",)
+        self.calibrates = (self.profiles_first or args.method in ("top-p", "naee", "auto")
+                           or args.target_ppl is not None or substitute or self.refine)
+        refuse_unread(given, allocate_reads(args.method, profile_given=profile is not None,
+                                            calibrates=self.calibrates, profiles=self.profiles_first),
+                      ALLOCATE_READERS, f"--method {args.method}" + (" with --target-ppl" if args.target_ppl else ""))
+        if args.method in K_BASE_METHODS:
+            check_k_base(args.k_base, args.method, fingerprint["k_orig"], args.budget, skeleton, profile)
+
+    def _check_weights(self, spec, config, substitute: bool):
+        """The folder's skeleton, once a run needing weights is known to have them and the substitute's
+        rank and fit are known to suit the model."""
+        from ..calibrate.methods import weightless_message
+
+        if self.needs_weights is not None and not spec.has_weights:
+            raise AllocMoeError(weightless_message(spec.path, self.needs_weights))
+        skeleton = spec.skeleton()
+        if substitute and config.substitute_rank > skeleton.config.hidden_size:
+            raise AllocMoeError(f"--substitute-rank {config.substitute_rank} is above this model's hidden size "
+                                f"{skeleton.config.hidden_size}; give {skeleton.config.hidden_size} or less")
+        if substitute:
+            from ..calibrate.means import check_fit_memory
+
+            check_fit_memory(spec.fingerprint()["num_experts"], skeleton.config.hidden_size, config.substitute_rank)
+        return skeleton
+
+
+def _refine_memo(args, config, run: _AllocateRun, profile, name):
+    """The refinement's resume file (<output>.refine.partial.json), keyed by what its scores depend on;
+    None when nothing is refined (or a target search runs, which refines afresh per budget)."""
+    from ..calibrate.refine import SavedScores
+
+    if not run.refine or args.target_ppl is not None:
+        return None
+    return SavedScores(f"{args.output}.refine.partial.json", {
+        "model": run.fingerprint, "method": args.method, "budget": args.budget, "k_base": args.k_base,
+        "pool": args.pool, "substitute": args.substitute, "substitute_rank": config.substitute_rank,
+        "calibration": name, "calib_tokens": args.calib_tokens, "seq_len": run.seq_len,
+        "profile": profile["sensitivity"] if profile else None})
+
+
+def _say_plan(args, plan) -> None:
+    """The lines on stderr that say what was written (and, for a target, what budget met it)."""
     ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
     print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",
           file=sys.stderr)
@@ -266,13 +318,13 @@ def _allocate_distinct(args) -> None:
     for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
                         ("--pool", args.pool), ("--substitute", args.substitute),
                         ("--substitute-rank", args.substitute_rank), ("--refine", args.refine),
-                        ("--batch-size", args.batch_size)):
+                        ("--windows-per-pass", args.windows_per_pass)):
         if value is not None:
             raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "
                                 f"per step, from its own profile measured at --decode-batch, which replaces "
-                                f"--batch-size); drop {flag}")
+                                f"--windows-per-pass); drop {flag}")
     config = DistinctConfig(decode_batch=args.decode_batch or 16, k_floor=args.k_floor or 1,
-                            calib_max_tokens=8192 if args.calib_tokens is None else args.calib_tokens,
+                            calib_tokens=8192 if args.calib_tokens is None else args.calib_tokens,
                             seq_len=args.seq_len, m_step=args.m_step or 1,
                             prefix_cache=args.prefix_cache is not False, progress=not args.quiet)
     spec = inspect(args, require_weights=False)

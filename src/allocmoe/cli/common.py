@@ -1,8 +1,10 @@
 """What every command shares: the parser class, flag groups, deprecated aliases, JSON output.
 
 One vocabulary across commands, as in vLLM and lm-eval: `--output` is what a command writes,
-`--calib-tokens` the calibration tokens, `--eval-tokens` the scored tokens, `--quiet` turns progress
-bars off. Old spellings stay as aliases that warn once; prefixes are never expanded (`--out` is
+`--calib-tokens` the calibration tokens, `--eval-tokens` the scored tokens, `--windows-per-pass` the
+windows of text in one forward pass (profile, allocate, eval, sweep, analyze), `--sequences` the
+sequences bench decodes side by side, `--quiet` turns progress bars off. Old spellings (`--batch-size`,
+`--max-tokens`, ...) stay as aliases that warn and say in --help that they are deprecated; prefixes are never expanded (`--out` is
 refused, not read as `--output`).
 """
 
@@ -65,15 +67,22 @@ def _whole(text: str, least: int) -> int:
     return value
 
 
-def add_alias(p, old: str, new: str, dest: str, type=None) -> None:
+def add_alias(p, old: str, new: str, dest: str, type=None, metavar: str | None = None) -> None:
+    """`old`, the deprecated spelling of `new`: still taken (a warning line when used), shown in --help as such."""
     p.add_argument(old, dest=dest, action=Deprecated, new=new, type=type, default=argparse.SUPPRESS,
-                   help=argparse.SUPPRESS)
+                   metavar=metavar, help=f"deprecated; use {new}")
 
 
-def add_model_flags(p, batch_size: int = 4, batch_help: str = "windows per forward pass") -> None:
+def add_model_flags(p, batch_size: int = 4, batch_help: str = "windows per forward pass",
+                    batch_flag: str = "--windows-per-pass") -> None:
+    """--model, --trust-remote-code, --seq-len and the batch flag (`--windows-per-pass`, or bench's
+    `--sequences`), with `--batch-size` its deprecated alias."""
     p.add_argument("--model", default=None, help="local Hugging Face model folder (default: the built-in model)")
     p.add_argument("--trust-remote-code", action="store_true", help="allow the model folder's own Python code")
-    p.add_argument("--batch-size", type=positive_int, default=batch_size, help=f"{batch_help} (default {batch_size})")
+    dest = batch_flag.lstrip("-").replace("-", "_")
+    p.add_argument(batch_flag, dest=dest, type=positive_int, default=batch_size, metavar="N",
+                   help=f"{batch_help} (default {batch_size})")
+    add_alias(p, "--batch-size", batch_flag, dest, type=positive_int, metavar="N")
     p.add_argument("--seq-len", type=positive_int, default=None, help="window length (default: min(2048, model limit))")
 
 

@@ -15,8 +15,12 @@ from .common import (add_calib_tokens, add_prefix_cache, add_eval_tokens, add_mo
 
 
 def add_parsers(sub) -> None:
-    from ..calibrate.methods import METHODS
+    """The measuring commands' parsers: eval, sweep, compare, analyze, bench."""
+    for add in (_add_eval, _add_sweep, _add_compare, _add_analyze, _add_bench):
+        add(sub)
 
+
+def _add_eval(sub) -> None:
     p = sub.add_parser("eval", help="perplexity with or without a plan")
     add_model_flags(p)
     p.add_argument("--plan", default=None, help="plan JSON to apply (default: the unmodified model)")
@@ -24,11 +28,15 @@ def add_parsers(sub) -> None:
     add_eval_tokens(p, None, "score only the first N tokens (default: all)")
     p.add_argument("--decode-batch", type=positive_int, default=None,
                    help="score as N sequences decoded side by side, one position of each per step (replaces "
-                        "--batch-size for perplexity); reports distinct experts per step per layer")
+                        "--windows-per-pass for perplexity); reports distinct experts per step per layer")
     add_output(p, "also write the result JSON here", old="--output-json")
     add_task_flags(p)
     add_quiet(p)
-    p.set_defaults(func=cmd_eval, batch_size=None)      # None: not given (4), so --decode-batch can refuse it
+    p.set_defaults(func=cmd_eval, windows_per_pass=None)      # None: not given (4), so --decode-batch can refuse it
+
+
+def _add_sweep(sub) -> None:
+    from ..calibrate.methods import METHODS
 
     p = sub.add_parser("sweep", help="budgets x methods table with plots (the main job)")
     add_model_flags(p)
@@ -48,6 +56,8 @@ def add_parsers(sub) -> None:
     # None: not given (the defaults are filled in by cmd_sweep), so a flag no row would read is refused
     p.set_defaults(func=cmd_sweep, k_base=None, calib_tokens=None, prefix_cache=None)
 
+
+def _add_compare(sub) -> None:
     p = sub.add_parser("compare", help="paired task-accuracy difference of two `eval --tasks` results")
     p.add_argument("a", help="eval JSON (from `allocmoe eval --tasks ... --output FILE`)")
     p.add_argument("b", help="eval JSON of the same tasks, e.g. another plan")
@@ -55,6 +65,8 @@ def add_parsers(sub) -> None:
     add_output(p, "also write the comparison JSON here", old="--output-json")
     p.set_defaults(func=cmd_compare)
 
+
+def _add_analyze(sub) -> None:
     p = sub.add_parser("analyze", help="experts vs routing entropy, expert load vs the unmodified model")
     add_model_flags(p)
     p.add_argument("--plan", required=True, help="plan JSON to analyse")
@@ -65,15 +77,17 @@ def add_parsers(sub) -> None:
     add_quiet(p)
     p.set_defaults(func=cmd_analyze)
 
+
+def _add_bench(sub) -> None:
     p = sub.add_parser("bench", help="prefill/decode latency: full vs plan vs experts off, side by side")
     add_model_flags(p, batch_size=1, batch_help="sequences decoded side by side (a decode step routes one "
-                    "token of each)")
+                    "token of each)", batch_flag="--sequences")
     p.add_argument("--plan", default=None, help="plan JSON to time (a distinct-expert plan is timed beside "
                    "uniform top-k at the activations per token it spends)")
     p.add_argument("--budget", default=None, help="or make a plan: budget (fraction or count)")
     p.add_argument("--max-distinct-experts", default=None, metavar="M",
                    help="or make a distinct-expert plan: at most M distinct experts per layer and decode step, "
-                        "a fraction of the unrestricted union at --batch-size (0.5, 1/2, 50%%; measured on other "
+                        "a fraction of the unrestricted union at --sequences (0.5, 1/2, 50%%; measured on other "
                         "random prompts) or a count (e.g. 32); timed beside uniform top-k")
     p.add_argument("--method", default="alloc-t", help="with --budget: uniform, alloc-t (default), ascending, descending")
     p.add_argument("--k-base", type=positive_int, default=1, help="Alloc-T k_base (default 1)")
@@ -100,12 +114,12 @@ def cmd_eval(args) -> None:
     check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--text", args.text),
                       ("--model", args.model), ("--include-path", args.include_path)])
     tasks = task_names(args)
-    if args.decode_batch is not None and args.batch_size is not None and not tasks:
-        raise AllocMoeError("--batch-size does not apply with --decode-batch, which replaces it for perplexity (it "
-                            "sizes only --tasks' batches); drop --batch-size")
-    args.batch_size = 4 if args.batch_size is None else args.batch_size
+    if args.decode_batch is not None and args.windows_per_pass is not None and not tasks:
+        raise AllocMoeError("--windows-per-pass does not apply with --decode-batch, which replaces it for perplexity "
+                            "(it sizes only --tasks' batches); drop --windows-per-pass")
+    args.windows_per_pass = 4 if args.windows_per_pass is None else args.windows_per_pass
     result = evaluate_model(args.model, plan=args.plan, text=args.text, seq_len=args.seq_len,
-                            max_tokens=args.eval_tokens, batch_size=args.batch_size,
+                            eval_tokens=args.eval_tokens, windows_per_pass=args.windows_per_pass,
                             trust_remote_code=args.trust_remote_code, tasks=tasks,
                             task_options={"num_fewshot": args.num_fewshot, "limit": args.limit,
                                           "include_path": args.include_path}, progress=not args.quiet,
@@ -127,7 +141,7 @@ def cmd_eval(args) -> None:
 def cmd_sweep(args) -> None:
     """Every input is checked before the weights load (budgets, methods, tasks, the profile against the
     model's layout, --seq-len), and both texts' lengths before profiling or the first pass."""
-    from ..calibrate.methods import K_BASE_METHODS, PROFILE_METHODS, check_k_base
+    from ..calibrate.methods import PROFILE_METHODS, check_k_base
     from ..calibrate.profile import ProfileConfig, load_profile
     from .calibrate import refuse_unread
     from ..core.budget import Budget
@@ -138,22 +152,15 @@ def cmd_sweep(args) -> None:
     check_output_dir(args.output, inputs=sweep_inputs(args), names=sweep_names(args.profile))
     tasks = task_names(args)
     methods = tuple(m.strip() for m in args.methods.split(",") if m.strip())
-    profiles = args.profile is None and any(m in PROFILE_METHODS + ("auto",) for m in methods)
-    reads = {"--profile": any(m in PROFILE_METHODS + ("auto",) for m in methods),
-             "--k-base": any(m in K_BASE_METHODS for m in methods),
-             "--calib-text": profiles or any(m in ("top-p", "naee", "auto") for m in methods),
-             "--no-prefix-cache": profiles}
-    reads["--calib-tokens"] = reads["--calib-text"]
-    given = {"--profile": args.profile, "--k-base": args.k_base, "--calib-text": args.calib_text,
-             "--calib-tokens": args.calib_tokens, "--no-prefix-cache": args.prefix_cache}
+    reads, given = _sweep_reads(args, methods)
     args.k_base = 1 if args.k_base is None else args.k_base
     args.calib_tokens = 8192 if args.calib_tokens is None else args.calib_tokens
     args.prefix_cache = args.prefix_cache is not False
     config = SweepConfig(
         budgets=tuple(b for b in args.budgets.split(",") if b.strip()),
         methods=methods,
-        eval_max_tokens=args.eval_tokens, seq_len=args.seq_len, batch_size=args.batch_size, k_base=args.k_base,
-        profile=ProfileConfig(max_tokens=args.calib_tokens, progress=not args.quiet, prefix_cache=args.prefix_cache),
+        eval_tokens=args.eval_tokens, seq_len=args.seq_len, windows_per_pass=args.windows_per_pass, k_base=args.k_base,
+        profile=ProfileConfig(calib_tokens=args.calib_tokens, progress=not args.quiet, prefix_cache=args.prefix_cache),
         tasks=tuple(tasks or ()), task_limit=args.limit, num_fewshot=args.num_fewshot,
         include_path=args.include_path, progress=not args.quiet, ray=args.ray, ray_workers=args.ray_workers)
     calib, calib_name = read_text(args.calib_text, "calibration")
@@ -175,13 +182,13 @@ def cmd_sweep(args) -> None:
     from ..scoring.perplexity import check_batch_size, tokenize_windows
 
     windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
-                               beyond=None if args.eval_tokens == 16384 else "eval_max_tokens (--eval-tokens)")
-    check_batch_size(windows, args.batch_size)
+                               beyond=None if args.eval_tokens == 16384 else "eval_tokens (--eval-tokens)")
+    check_batch_size(windows, args.windows_per_pass)
     profiles = profile is None and any(m in PROFILE_METHODS + ("auto",) for m in config.methods)
     if profiles or any(m in ("top-p", "naee", "auto") for m in config.methods):
         calib_windows = tokenize_windows(spec.tokenizer(), calib, seq_len, args.calib_tokens,
-                                         beyond=None if args.calib_tokens == 8192 else "max_tokens (--calib-tokens)")
-        check_batch_size(calib_windows, args.batch_size)     # the calibration passes batch the same way
+                                         beyond=None if args.calib_tokens == 8192 else "calib_tokens (--calib-tokens)")
+        check_batch_size(calib_windows, args.windows_per_pass)     # the calibration passes batch the same way
     model, tok = (spec, spec.tokenizer()) if args.ray is not None else load(args, spec)   # --ray: the workers load it
     results = sweep(model, tok, calib, text, config, output_dir=args.output, profile=profile,
                     text_names=(calib_name, text_name))
@@ -222,9 +229,9 @@ def cmd_analyze(args) -> None:
     check_plan(plan, spec.skeleton())
     windows = tokenize_windows(spec.tokenizer(), text, seq_len, args.eval_tokens,     # 16384, the default: "up to"
                                beyond=None if args.eval_tokens == 16384 else "--eval-tokens")
-    check_batch_size(windows, args.batch_size)
+    check_batch_size(windows, args.windows_per_pass)
     model, tok = load(args, spec)
-    result = analyze_plan(model, tok, plan, windows, args.batch_size, progress=not args.quiet)
+    result = analyze_plan(model, tok, plan, windows, args.windows_per_pass, progress=not args.quiet)
     write_analysis(result, args.output)
     print(json.dumps({k: v for k, v in result.items() if k != "per_layer"}, indent=2))
     print(f"wrote {args.output}/analysis.json, analysis.png", file=sys.stderr)
@@ -245,6 +252,21 @@ BENCH_READERS = {
     "--method": ("", "only --budget makes a plan with a method; --plan and --max-distinct-experts bring their own"),
     "--k-base": ("", "only --budget with --method alloc-t runs Alloc-T, whose tokens each keep k_base experts"),
 }
+
+
+def _sweep_reads(args, methods: tuple[str, ...]) -> tuple[dict[str, bool], dict[str, object]]:
+    """(which of SWEEP_READERS' flags some row of `methods` reads, those flags as given: None when not)."""
+    from ..calibrate.methods import K_BASE_METHODS, PROFILE_METHODS
+
+    profiles = args.profile is None and any(m in PROFILE_METHODS + ("auto",) for m in methods)
+    reads = {"--profile": any(m in PROFILE_METHODS + ("auto",) for m in methods),
+             "--k-base": any(m in K_BASE_METHODS for m in methods),
+             "--calib-text": profiles or any(m in ("top-p", "naee", "auto") for m in methods),
+             "--no-prefix-cache": profiles}
+    reads["--calib-tokens"] = reads["--calib-text"]
+    given = {"--profile": args.profile, "--k-base": args.k_base, "--calib-text": args.calib_text,
+             "--calib-tokens": args.calib_tokens, "--no-prefix-cache": args.prefix_cache}
+    return reads, given
 
 
 class _Shape:
@@ -271,19 +293,43 @@ def _packed(model, wanted: bool):
 def cmd_bench(args) -> None:
     """Flags, device, plan (against the model's layout), budget and positions are all checked before
     the weights load or the synthetic model is built."""
-    from ..calibrate.methods import METHODS, allocate
-    from ..core.budget import Budget
+    from ..calibrate.methods import allocate
     from ..core.plan import Plan
-    from ..routing.layout import check_plan
-    from ..core.memory import check_free_memory
-    from ..measure.bench import (BenchConfig, benchmark, check_memory, distinct_plan_for, format_table,
-                                 is_distinct_plan, parse_max_distinct)
-    from ..measure.synthetic import PREFIX, build_synthetic, parameter_bytes, synthetic_config
-    from ..models import ModelSpec, check_device
+    from ..measure.bench import BenchConfig, benchmark, check_memory, distinct_plan_for, is_distinct_plan
 
     check_output_file(args.output, inputs=[*plan_inputs("--plan", args.plan), ("--model", args.model)])
-    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, batch_size=args.batch_size,
+    config = BenchConfig(input_len=args.input_len, output_len=args.output_len, sequences=args.sequences,
                          repeats=args.repeats, warmup=args.warmup)
+    _bench_flags(args)
+    synthetic = _check_synthetic_and_method(args)
+    device, dtype = _bench_device(args)
+    plan = Plan.load(args.plan) if args.plan else None
+    spec, cfg = _bench_spec(args, synthetic)
+    distinct = is_distinct_plan(plan) if plan is not None else args.max_distinct_experts is not None
+    check_memory(_Shape(spec.config, dtype, device), config,                 # before building or loading
+                 caches=3 + distinct + (plan is not None and plan.means is not None))
+    max_distinct = _check_bench_against_model(args, spec, plan)
+    torch.set_grad_enabled(False)
+    model = _bench_model(args, spec, cfg, synthetic, device, dtype)
+    union = None
+    if plan is None and args.budget is not None:
+        plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
+    elif plan is None:
+        plan, union = distinct_plan_for(model, config, *max_distinct)
+    with _packed(model, args.packed_experts):
+        result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
+    if union is not None:
+        result["unrestricted_union"] = {"fraction": max_distinct[0], "per_layer": {str(i): u for i, u in union.items()},
+                                        "measured_on": "other random prompts (seed 1), same batch and decode steps"}
+    emit(result, args.output)
+    _say_bench(result)
+
+
+def _bench_flags(args) -> None:
+    """What to time, given once (--plan, --budget or --max-distinct-experts), and only the flags that run
+    reads; fills in --method and --k-base."""
+    from .calibrate import refuse_unread
+
     given = [flag for flag, value in (("--plan", args.plan), ("--budget", args.budget),
                                       ("--max-distinct-experts", args.max_distinct_experts)) if value is not None]
     if len(given) != 1:
@@ -292,14 +338,20 @@ def cmd_bench(args) -> None:
                             "one of --plan PLAN.json, --budget B (with --method) or --max-distinct-experts M")
     if args.seq_len is not None:
         raise AllocMoeError("--seq-len does not apply to bench; the prompt length is --input-len")
-    from .calibrate import refuse_unread
-
     method = "alloc-t" if args.method is None else args.method
     reads = {"--method"} if args.budget is not None else set()
     reads |= {"--k-base"} if args.budget is not None and method == "alloc-t" else set()
     refuse_unread({"--method": args.method, "--k-base": args.k_base}, reads, BENCH_READERS,
                   given[0] + (f" --method {method}" if args.budget is not None else ""))
     args.method, args.k_base = method, 1 if args.k_base is None else args.k_base
+
+
+def _check_synthetic_and_method(args) -> bool:
+    """Whether --model names a synthetic model; --num-layers only for one, --budget only with a method
+    that needs neither a profile nor calibration."""
+    from ..calibrate.methods import METHODS
+    from ..measure.synthetic import PREFIX
+
     synthetic = str(args.model or "").startswith(PREFIX)
     if args.num_layers is not None and not synthetic:
         raise AllocMoeError(f"--num-layers applies only to synthetic models ({PREFIX}NAME); drop it or bench "
@@ -311,21 +363,40 @@ def cmd_bench(args) -> None:
         raise AllocMoeError(f"--budget with --method {args.method!r} needs a profile or calibration; make a "
                             "plan with `allocmoe allocate` and pass --plan (speed depends on the budget, "
                             "not on which layers get it: alloc-t times the same work as alloc-moe)")
+    return synthetic
+
+
+def _bench_device(args) -> tuple[str, torch.dtype]:
+    """--device (default: cuda if available) and --dtype (float32 on CPU, bfloat16 on CUDA), checked."""
+    from ..models import check_device
+
     device = str(check_device(args.device if args.device is not None else
                               ("cuda" if torch.cuda.is_available() else "cpu")))
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     if args.packed_experts and (device != "cpu" or dtype != torch.float32):
         raise AllocMoeError("--packed-experts serves the CPU kernel in float32; drop it, or bench with --device cpu "
                             "--dtype float32")
-    plan = Plan.load(args.plan) if args.plan else None
+    return device, dtype
+
+
+def _bench_spec(args, synthetic: bool):
+    """(the model's spec, the synthetic config or None): what is benched, before any weights exist."""
+    from ..measure.synthetic import synthetic_config
+    from ..models import ModelSpec
+
     if synthetic:
         cfg = synthetic_config(args.model, args.num_layers)
-        spec = ModelSpec(path=args.model, config=cfg)
-    else:
-        spec = inspect(args)
-    distinct = is_distinct_plan(plan) if plan is not None else args.max_distinct_experts is not None
-    check_memory(_Shape(spec.config, dtype, device), config,                 # before building or loading
-                 caches=3 + distinct + (plan is not None and plan.means is not None))
+        return ModelSpec(path=args.model, config=cfg), cfg
+    return inspect(args), None
+
+
+def _check_bench_against_model(args, spec, plan) -> tuple[float | None, int | None] | None:
+    """The positions against the model's context; the plan against its layout, or the budget (and
+    k_base) against its shape; returns the parsed --max-distinct-experts when that is what is timed."""
+    from ..core.budget import Budget
+    from ..measure.bench import parse_max_distinct
+    from ..routing.layout import check_plan
+
     positions = args.input_len + args.output_len
     if spec.context is not None and positions > spec.context:
         raise AllocMoeError(f"--input-len {args.input_len} + --output-len {args.output_len} = {positions} positions, "
@@ -340,27 +411,28 @@ def cmd_bench(args) -> None:
 
             check_k_base(args.k_base, "alloc-t", fingerprint["k_orig"], args.budget, spec.skeleton(), None)
     else:
-        max_distinct = parse_max_distinct(args.max_distinct_experts, fingerprint["num_experts"])
-    torch.set_grad_enabled(False)
-    if synthetic:
-        need = parameter_bytes(cfg, dtype)
-        if device == "cpu":
-            check_free_memory(need, torch.device("cpu"), f"{args.model} with {cfg.num_hidden_layers} layers",
-                              "pass a smaller --num-layers", detail=" of weights")
-        model = build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
-    else:
-        model, _ = spec.load(dtype=dtype, device=device)
-    union = None
-    if plan is None and args.budget is not None:
-        plan = allocate(args.budget, args.method, model=model, config={"k_base": args.k_base})
-    elif plan is None:
-        plan, union = distinct_plan_for(model, config, *max_distinct)
-    with _packed(model, args.packed_experts):
-        result = benchmark(model, plan, config, synthetic=synthetic, progress=not args.quiet)
-    if union is not None:
-        result["unrestricted_union"] = {"fraction": max_distinct[0], "per_layer": {str(i): u for i, u in union.items()},
-                                        "measured_on": "other random prompts (seed 1), same batch and decode steps"}
-    emit(result, args.output)
+        return parse_max_distinct(args.max_distinct_experts, fingerprint["num_experts"])
+    return None
+
+
+def _bench_model(args, spec, cfg, synthetic: bool, device: str, dtype: torch.dtype):
+    """The model to time: the synthetic one built (refused first if its weights would not fit), or loaded."""
+    from ..core.memory import check_free_memory
+    from ..measure.synthetic import build_synthetic, parameter_bytes
+
+    if not synthetic:
+        return spec.load(dtype=dtype, device=device)[0]
+    need = parameter_bytes(cfg, dtype)
+    if device == "cpu":
+        check_free_memory(need, torch.device("cpu"), f"{args.model} with {cfg.num_hidden_layers} layers",
+                          "pass a smaller --num-layers", detail=" of weights")
+    return build_synthetic(args.model, args.num_layers, dtype=dtype, device=device)
+
+
+def _say_bench(result: dict) -> None:
+    """The decode table and the speedups, on stderr."""
+    from ..measure.bench import format_table
+
     print(format_table(result), file=sys.stderr)
     print(f"prefill {result['prefill_speedup']:.3f}x (ideal {result['prefill_ideal_speedup']:.3f}x), "
           f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "

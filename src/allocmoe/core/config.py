@@ -1,58 +1,110 @@
-"""Typed configs: every public config is a `config_class` dataclass, checked at the door.
+"""Typed configs: every public config is a `Config`, a pydantic model checked at the door.
 
-`@config_class` makes a dataclass whose constructor refuses, before the class's own `__post_init__` and
-before any work: unknown fields (extra="forbid"), more positional values than fields, and any value
-whose type is not its annotation's, strictly (pydantic's strict mode: no "32" for an int, no True for a
-count, no 1.5 for a whole number) or a float that is NaN or infinite. Each refusal is an AllocMoeError
-naming the field and the command-line flag that sets it, as the CLI says it. `dataclasses.replace` and
-`checked_config`'s dicts go through the same constructor.
+A `Config` subclass is written as a dataclass is (annotated fields with defaults, each with a one-line
+why), and its constructor refuses, before the class's own `__post_init__` rules and before any work:
+unknown fields (extra="forbid"), more positional values than fields, and any value whose type is not
+its annotation's, strictly (pydantic's strict mode: no "32" for an int, no True for a count, no 1.5 for
+a whole number) or a float that is NaN or infinite. Each refusal is an AllocMoeError naming the field
+and the command-line flag that sets it, as the CLI says it (the CLI builds the same objects).
+`checked_config`'s dicts and `replaced` go through the same constructor; `model_dump()` is the dict.
+
+`__config_aliases__` maps a field's old name to its new one (one name per idea across the CLI, Python
+and files: `calib_tokens`, `eval_tokens`, `windows_per_pass`, `sequences`): the old name is still taken,
+as a keyword, a dict key and an attribute, with a DeprecationWarning naming the new one.
+`__config_flags__` names the CLI flag of a field not spelled `--<field-name>`.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import math
 import typing
-from dataclasses import fields, is_dataclass
+import warnings
 from typing import Any, TypeVar
+
+from pydantic import BaseModel, ConfigDict
 
 from ..errors import AllocMoeError
 
 C = TypeVar("C")
 
 
-def config_class(cls=None, *, flags: dict[str, str] | None = None):
-    """`@config_class` (or `@config_class(flags={"max_tokens": "--calib-tokens"})`): a dataclass checked at the
-    door (module docstring). `flags` names the CLI flag of fields not spelled `--<field-name>`."""
-    def wrap(klass):
-        klass = dataclasses.dataclass(klass)
-        klass.__config_flags__ = {**getattr(klass, "__config_flags__", {}), **(flags or {})}
-        init = klass.__init__
-        names = [f.name for f in fields(klass) if f.init]
+class Config(BaseModel):
+    """The base of every typed config (module docstring)."""
 
-        @functools.wraps(init)
-        def __init__(self, *args, **kwargs):
-            name = type(self).__name__
-            if len(args) > len(names):
-                raise AllocMoeError(f"{name} takes at most {len(names)} values, got {len(args)}; give its fields "
-                                    f"by name: {', '.join(names)}")
-            unknown = sorted(set(kwargs) - set(names))
-            if unknown:
-                raise AllocMoeError(f"unknown {name} field(s) {unknown}; known: {sorted(names)}")
-            given = dict(zip(names, args))
-            twice = sorted(set(given) & set(kwargs))
-            if twice:
-                raise AllocMoeError(f"{name} got {twice} twice; give each field once")
-            given.update(kwargs)
-            for field_name, value in given.items():
-                check_type(type(self), field_name, value)
-            init(self, *args, **kwargs)
+    model_config = ConfigDict(extra="forbid", strict=True, arbitrary_types_allowed=True,
+                              revalidate_instances="never", validate_default=False)
+    __config_flags__: typing.ClassVar[dict[str, str]] = {}
+    __config_aliases__: typing.ClassVar[dict[str, str]] = {}
 
-        klass.__init__ = __init__
-        return klass
+    @classmethod
+    def __pydantic_init_subclass__(cls, **kwargs: Any) -> None:
+        super().__pydantic_init_subclass__(**kwargs)
+        for old, new in cls.__config_aliases__.items():
+            setattr(cls, old, _alias_property(cls.__name__, old, new))
 
-    return wrap if cls is None else wrap(cls)
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        cls = type(self)
+        name, names = cls.__name__, list(cls.model_fields)
+        kwargs = renamed(cls, kwargs)
+        if len(args) > len(names):
+            raise AllocMoeError(f"{name} takes at most {len(names)} values, got {len(args)}; give its fields "
+                                f"by name: {', '.join(names)}")
+        unknown = sorted(set(kwargs) - set(names))
+        if unknown:
+            raise AllocMoeError(f"unknown {name} field(s) {unknown}; known: {sorted(names)}")
+        given = dict(zip(names, args))
+        twice = sorted(set(given) & set(kwargs))
+        if twice:
+            raise AllocMoeError(f"{name} got {twice} twice; give each field once")
+        given.update(kwargs)
+        for field_name, value in given.items():
+            check_type(cls, field_name, value)
+        super().__init__(**given)
+        self.__post_init__()
+
+    def __post_init__(self) -> None:
+        """A subclass's own rules between fields, after the types are checked; raises AllocMoeError."""
+
+
+def replaced(config: C, **changes: Any) -> C:
+    """`config` with `changes`, through the constructor (checked as a new config is)."""
+    return type(config)(**{**config.model_dump(), **changes})
+
+
+def _alias_property(owner: str, old: str, new: str) -> property:
+    """The deprecated attribute `old` of a config: reads and writes field `new`, warning once per use."""
+    def warn():
+        warnings.warn(f"{owner}.{old} is deprecated; use {owner}.{new}", DeprecationWarning, stacklevel=3)
+
+    def get(self):
+        warn()
+        return getattr(self, new)
+
+    def put(self, value):
+        warn()
+        setattr(self, new, value)
+
+    return property(get, put, doc=f"deprecated alias of {new}")
+
+
+def renamed(cls, values: dict[str, Any]) -> dict[str, Any]:
+    """`values` (a config's keyword arguments) with deprecated field names (cls.__config_aliases__) turned
+    into the new ones, each with a DeprecationWarning naming the new name; both names at once are refused."""
+    aliases = getattr(cls, "__config_aliases__", {})
+    if not any(isinstance(key, str) and key in aliases for key in values):
+        return values
+    out = {}
+    for key, value in values.items():
+        new = aliases.get(key) if isinstance(key, str) else None
+        if new is None:
+            out[key] = value
+            continue
+        if new in values:
+            raise AllocMoeError(f"{cls.__name__} got both {key} and {new}, which is its new name; give {new} alone")
+        warnings.warn(f"{cls.__name__}({key}=...) is deprecated; use {new}=", DeprecationWarning, stacklevel=3)
+        out[new] = value
+    return out
 
 
 _FLAGS = {"progress": "--quiet", "prefix_cache": "--no-prefix-cache"}     # fields whose flag turns them off
@@ -67,8 +119,7 @@ def flag_of(cls, name: str) -> str:
 def _adapters(cls) -> dict[str, Any]:
     from pydantic import TypeAdapter
 
-    hints = typing.get_type_hints(cls)
-    return {f.name: (hints[f.name], TypeAdapter(hints[f.name])) for f in fields(cls) if f.name in hints}
+    return {name: (field.annotation, TypeAdapter(field.annotation)) for name, field in cls.model_fields.items()}
 
 
 def describe(hint) -> str:
@@ -94,7 +145,7 @@ def check_type(cls, name: str, value: Any) -> None:
     if entry is None:
         return
     hint, adapter = entry
-    if is_dataclass(value) and not isinstance(value, type):
+    if isinstance(value, Config):
         return                                  # a nested config: its own constructor checked it
     try:
         adapter.validate_python(value, strict=True)
@@ -109,12 +160,13 @@ def checked_config(cls: type[C], value: C | dict[str, Any] | None) -> C:
     """None -> defaults; a dict -> cls(**dict) with unknown keys refused; an instance -> itself."""
     if value is None:
         return cls()
-    if is_dataclass(value) and isinstance(value, cls):
+    if isinstance(value, cls):
         return value
     if not isinstance(value, dict):
         raise AllocMoeError(f"{cls.__name__} must be a {cls.__name__} or a dict, got {type(value).__name__}; give "
                             f"{cls.__name__}(...) or a dict of its fields")
-    known = {f.name for f in fields(cls)}
+    known = set(cls.model_fields)
+    value = renamed(cls, value)
     bad_keys = [key for key in value if not isinstance(key, str)]
     if bad_keys:
         raise AllocMoeError(f"{cls.__name__} field names must be strings, got {bad_keys[:3]}; known: {sorted(known)}")
@@ -128,7 +180,7 @@ def check_counts(config, least: dict[str, int], flags: dict[str, str] | None = N
                  most: dict[str, int] | None = None) -> None:
     """Refuse count fields that are not whole numbers >= their least value (None means "default"),
     or above their `most`, naming the command-line flag that sets each (`--<name>` unless `flags`
-    or the class's own `config_class(flags=)` says otherwise)."""
+    or the class's own `__config_flags__` says otherwise)."""
     def flag(name):
         return (flags or {}).get(name) or flag_of(type(config), name)
 

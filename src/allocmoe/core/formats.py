@@ -209,8 +209,8 @@ class Calibration(Document):
     tokens_scored: Count
     windows: Count
     seq_len: whole(ge=2, le=2**53)
-    max_tokens: Count
-    batch_size: Count
+    max_tokens: Count              # ProfileConfig.calib_tokens; the file keeps the old key so older profiles load
+    batch_size: Count              # ProfileConfig.windows_per_pass; the file keeps the old key, as above
 
 
 class ProfileModel(ModelFingerprint):

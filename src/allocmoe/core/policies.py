@@ -310,19 +310,6 @@ PREFIX_POLICIES = (StaticTopK, AllocT, TopP, NaeeSkip)     # decide a count per 
 POLICIES: dict[str, type] = {cls.name: cls for cls in (*PREFIX_POLICIES, DistinctExperts)}
 
 
-def policy_from_dict(entry: Any, k_orig: int, where: str = "layer") -> Policy:
-    """Build a policy from a plan's layer entry (a dict), refusing unknown names, fields and bad values."""
-    from pydantic import TypeAdapter, ValidationError
-
-    from .formats import LayerEntry, describe
-
-    try:
-        parsed = TypeAdapter(LayerEntry).validate_python(entry)
-    except ValidationError as exc:
-        raise AllocMoeError(f"{where}: {describe(exc)}") from None
-    return policy_from_entry(parsed, k_orig, where)
-
-
 def policy_from_entry(entry: Any, k_orig: int, where: str = "layer") -> Policy:
     """A validated layer entry (core/formats.py) -> its policy, checked against this model's K_orig."""
     cls = POLICIES[entry.policy]

@@ -76,6 +76,3 @@ def relative_costs(table: np.ndarray) -> np.ndarray:
             rel = np.ldexp(rel, -shift)
     return rel
 
-
-def allocation_cost(costs: Sequence[Sequence[float]], ks: Sequence[int]) -> float:
-    return float(sum(costs[i][k - 1] for i, k in enumerate(ks)))

@@ -86,7 +86,7 @@ class _Collector:
         return hook
 
 
-def _collect(model, tokenizer, plan: Plan, windows, batch_size: int, progress: bool = True) -> _Collector:
+def _collect(model, tokenizer, plan: Plan, windows, windows_per_pass: int, progress: bool = True) -> _Collector:
     adapter = adapter_for_model(model)
     collector = _Collector(adapter.num_experts())
     with apply_plan(model, plan) as handle:
@@ -94,7 +94,8 @@ def _collect(model, tokenizer, plan: Plan, windows, batch_size: int, progress: b
         hooks = [layer.router.register_forward_hook(collector.router_hook(layer.index))
                  for layer in adapter.moe_layers(model)]
         try:
-            evaluate_perplexity(model, tokenizer, "", {"batch_size": batch_size, "progress": progress}, windows=windows)
+            evaluate_perplexity(model, tokenizer, "", {"windows_per_pass": windows_per_pass, "progress": progress},
+                                windows=windows)
         finally:
             for h in hooks:
                 h.remove()
@@ -102,14 +103,14 @@ def _collect(model, tokenizer, plan: Plan, windows, batch_size: int, progress: b
 
 
 @torch.no_grad()
-def analyze_plan(model, tokenizer, plan: Plan, windows: torch.Tensor, batch_size: int = 4,
+def analyze_plan(model, tokenizer, plan: Plan, windows: torch.Tensor, windows_per_pass: int = 4,
                  progress: bool = True) -> dict[str, Any]:
     """Two passes over `windows` (the full model, then the plan), each with a progress bar unless
-    `progress` is False."""
+    `progress` is False; `windows_per_pass` windows go through the model in one forward pass."""
     fingerprint = model_fingerprint(model)
     full_plan = static_plan(model, [fingerprint["k_orig"]] * fingerprint["num_moe_layers"])
-    base = _collect(model, tokenizer, full_plan, windows, batch_size, progress)
-    cut = _collect(model, tokenizer, plan, windows, batch_size, progress)
+    base = _collect(model, tokenizer, full_plan, windows, windows_per_pass, progress)
+    cut = _collect(model, tokenizer, plan, windows, windows_per_pass, progress)
     per_layer, all_counts, all_entropy = {}, [], []
     for index in fingerprint["moe_layers"]:
         counts = torch.cat(cut.counts[index]).double()

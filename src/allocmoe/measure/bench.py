@@ -36,13 +36,14 @@ import platform
 import resource
 import statistics
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from ..core.budget import read_fraction_or_count, round_half_up
+from ..core.config import Config, check_counts, checked_config
 from ..core.memory import check_free_memory
 from ..core.plan import Plan
 from ..core.policies import DistinctExperts
@@ -50,19 +51,18 @@ from ..errors import AllocMoeError
 from ..routing.apply import allocmoe_experts, apply_plan, distinct_plan, routed_experts_off, static_plan
 
 
-@dataclass
-class BenchConfig:
-    input_len: int = 256            # prompt tokens per sequence
-    output_len: int = 32            # decode steps timed per repeat
-    batch_size: int = 1             # sequences decoded side by side (a decode step routes one token of each)
-    repeats: int = 5                # timed rounds (in each, the configs take turns call by call)
-    warmup: int = 1                 # untimed rounds first
+class BenchConfig(Config):
+    """What a benchmark times: prompt and decode lengths, sequences side by side, rounds."""
+    __config_aliases__ = {"batch_size": "sequences"}     # deprecated names
 
-    def __post_init__(self):
-        for name, value in asdict(self).items():
-            low = 0 if name == "warmup" else 1
-            if not isinstance(value, int) or value < low:
-                raise AllocMoeError(f"{name.replace('_', '-')} must be a whole number >= {low}, got {value!r}")
+    input_len: int = 256            # prompt tokens per sequence: the prefill's length
+    output_len: int = 32            # decode steps timed per repeat: what a decode step's mean is taken over
+    sequences: int = 1              # sequences decoded side by side (a decode step routes one token of each)
+    repeats: int = 5                # timed rounds (in each, the configs take turns call by call): the medians' samples
+    warmup: int = 1                 # untimed rounds first, so first-call costs stay out of the timings
+
+    def __post_init__(self):        # types are checked by Config.__init__ before this runs
+        check_counts(self, {"input_len": 1, "output_len": 1, "sequences": 1, "repeats": 1, "warmup": 0})
 
 
 def _sync(device: torch.device) -> None:
@@ -147,12 +147,12 @@ def check_memory(model, config: BenchConfig, caches: int = 3) -> None:
     c = model.config
     param = next(model.parameters())
     elem = param.element_size()
-    tokens = config.batch_size * (config.input_len + config.output_len)
+    tokens = config.sequences * (config.input_len + config.output_len)
     per_token_kv = 2 * c.num_hidden_layers * c.hidden_size * elem * 2       # generous: K and V, MLA expanded
-    peak_acts = config.batch_size * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
+    peak_acts = config.sequences * config.input_len * max(c.hidden_size * 16, getattr(c, "intermediate_size", 0) * 3) * elem * 4
     need = caches * tokens * per_token_kv + peak_acts
-    check_free_memory(need, param.device, f"batch {config.batch_size} x {config.input_len}+{config.output_len} tokens",
-                      "lower --batch-size or --input-len", detail=" (an estimate) for cache and activations", share=0.9)
+    check_free_memory(need, param.device, f"batch {config.sequences} x {config.input_len}+{config.output_len} tokens",
+                      "lower --sequences or --input-len", detail=" (an estimate) for cache and activations", share=0.9)
 
 
 # -- distinct experts per decode step -----------------------------------------------------------------
@@ -165,7 +165,7 @@ def prompt_ids(model, config: BenchConfig, seed: int = 0) -> torch.Tensor:
     """The benchmark's prompts: random token ids [B, input_len] (seed 0 is timed)."""
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
-    return torch.randint(0, model.config.vocab_size, (config.batch_size, config.input_len), generator=gen).to(device)
+    return torch.randint(0, model.config.vocab_size, (config.sequences, config.input_len), generator=gen).to(device)
 
 
 @torch.no_grad()
@@ -192,7 +192,7 @@ def count_decode(model, plan: Plan, ids: torch.Tensor, steps: int) -> dict[str, 
 
 def unrestricted_union(model, config: BenchConfig, seed: int = 1) -> dict[int, float]:
     """Per MoE layer, the mean distinct experts per decode step of unmodified top-K routing at
-    config.batch_size, over config.output_len decode steps after other random prompts than the
+    config.sequences, over config.output_len decode steps after other random prompts than the
     timed ones (seed 1): the union a distinct-expert fraction is taken of."""
     from ..routing.layout import model_fingerprint
 
@@ -232,7 +232,7 @@ def parse_max_distinct(text: str, num_experts: int) -> tuple[float | None, int |
 def distinct_plan_for(model, config: BenchConfig, fraction: float | None = None,
                       count: int | None = None) -> tuple[Plan, dict[int, float] | None]:
     """A distinct-expert plan at `count` experts per layer and step, or at `fraction` of each
-    layer's unrestricted union at config.batch_size (unrestricted_union): M_l = max(1,
+    layer's unrestricted union at config.sequences (unrestricted_union): M_l = max(1,
     round_half_up(fraction * union_l)). Returns the plan and the union (None for a count)."""
     if (fraction is None) == (count is None):
         raise AllocMoeError("give the distinct-expert budget as a fraction or as a count, not both or neither")
@@ -243,17 +243,15 @@ def distinct_plan_for(model, config: BenchConfig, fraction: float | None = None,
 
 
 # -- the benchmark ------------------------------------------------------------------------------------
-def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = False,
+def benchmark(model, plan, config: BenchConfig | dict | None = None, synthetic: bool = False,
               progress: bool = True, uniform_beside: bool | None = None) -> dict[str, Any]:
     """Time full / plan / experts off side by side (and, beside a distinct-expert plan or with
     `uniform_beside`, uniform top-k at the activations per decoded token the plan spends, rounded
     to a whole k); returns the JSON-ready result."""
-    from ..version import __version__
     from ..routing.layout import model_fingerprint
 
-    config = config or BenchConfig()
+    config = checked_config(BenchConfig, config)
     fingerprint = model_fingerprint(model)
-    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     if uniform_beside is None:
         uniform_beside = is_distinct_plan(plan)
     twin = plan.means is not None
@@ -262,10 +260,36 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     ids = prompt_ids(model, config)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    lineup = _lineup(model, plan, ids, config, fingerprint, uniform_beside, twin)
+    rounds = _timed_rounds(model, ids, lineup, config, progress)
+    result = _summarise(plan, config, fingerprint, lineup, rounds, synthetic)
+    result["experts_kernel"] = f"allocmoe {_kernel_of(model, device)}, for full and plans alike"
+    result["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
+                                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+    result["environment"] = _environment(model, device)
+    if synthetic:
+        result["note"] = "synthetic model with random weights: timings are real, quality numbers are meaningless"
+    return result
 
-    # untimed: what each configuration loads and spends per decode step (these steps are the timed ones)
+
+@dataclass
+class _Lineup:
+    """The configurations a benchmark times, in order, and what each loads and spends per decode step."""
+    names: list[str]                    # "full", "plan", ["twin"], ["uniform"], "off"
+    plans: dict[str, Plan]              # the plan of each configuration that has one (not "off")
+    counted: dict[str, dict[str, Any]]  # count_decode's untimed counts per configuration (not "off")
+    uniform_k: int | None               # uniform's whole k, when it is timed beside the plan
+
+
+def _lineup(model, plan: Plan, ids: torch.Tensor, config: BenchConfig, fingerprint: dict[str, Any],
+            uniform_beside: bool, twin: bool) -> _Lineup:
+    """The configurations to time, each counted untimed first over the same prompts and decode steps as
+    the timed ones: uniform top-k at the plan's activations beside it if asked, the plan's twin without
+    its substitute when it has one."""
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     plans = {"full": static_plan(model, [k_orig] * num_layers, method="full"), "plan": plan}
     counted = {"plan": count_decode(model, plan, ids, config.output_len)}
+    uniform_k = None
     if uniform_beside:
         uniform_k = min(k_orig, max(1, round_half_up(counted["plan"]["activations_per_token"] / num_layers)))
         plans["uniform"] = static_plan(model, [uniform_k] * num_layers, method="uniform")
@@ -275,7 +299,20 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
         counted["twin"] = count_decode(model, plans["twin"], ids, config.output_len)
     counted["full"] = count_decode(model, plans["full"], ids, config.output_len)
     names = ["full", "plan", *(["twin"] if twin else []), *(["uniform"] if uniform_beside else []), "off"]
+    return _Lineup(names, plans, counted, uniform_k)
 
+
+@dataclass
+class _Rounds:
+    """What the timed rounds measured."""
+    samples: dict[str, dict[str, list[float]]]   # configuration -> "prefill" / "decode" -> seconds per round
+    tokens: dict[str, torch.Tensor]              # configuration -> the tokens its last round chose [B, steps + 1]
+    activations_per_token: float                 # the plan's, measured over every call it ran
+
+
+def _timed_rounds(model, ids: torch.Tensor, lineup: _Lineup, config: BenchConfig, progress: bool) -> _Rounds:
+    """Warm-up and timed rounds; in each, the configurations take turns call by call (prefill, then each
+    decode step), in an order that reverses between rounds, so drift on a shared host falls on all alike."""
     spent = {"activations": 0.0, "tokens": 0}     # the plan's, over every call it ran
 
     @contextlib.contextmanager
@@ -287,7 +324,7 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
             with routed_experts_off(model):
                 yield
         else:
-            with apply_plan(model, plans[name]) as handle:
+            with apply_plan(model, lineup.plans[name]) as handle:
                 yield
                 if name == "plan":
                     tokens = handle.tokens_seen()
@@ -301,14 +338,13 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                 seconds[name] = call(name)
         return seconds
 
+    names = lineup.names
     samples: dict[str, dict[str, list[float]]] = {n: {"prefill": [], "decode": []} for n in names}
     rounds = config.warmup + config.repeats
     # one tick per call of all configurations (a prefill or a decode step): time left is right within a round too
     with tqdm(total=rounds * (1 + config.output_len), desc="bench", unit="step", disable=not progress) as bar:
         for r in range(rounds):
             bar.set_postfix_str(f"round {r + 1}/{rounds}{' (warm-up)' if r < config.warmup else ''}")
-            # The configurations take turns call by call (prefill, then each decode step), in an
-            # order that reverses between rounds, so drift on a shared host falls on all alike.
             order = names if r % 2 == 0 else names[::-1]
             gens = {name: Generation(model, ids, config.output_len) for name in order}
             prefill = take_turns(order, lambda name: gens[name].prefill())
@@ -322,9 +358,17 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                 for name in order:
                     samples[name]["prefill"].append(prefill[name])
                     samples[name]["decode"].append(decode[name])
-    timed_tokens = {name: torch.cat(gens[name].tokens, dim=1) for name in names}
+    return _Rounds(samples, {name: torch.cat(gens[name].tokens, dim=1) for name in names},
+                   spent["activations"] / max(spent["tokens"], 1))
 
-    measured = spent["activations"] / max(spent["tokens"], 1)
+
+def _summarise(plan: Plan, config: BenchConfig, fingerprint: dict[str, Any], lineup: _Lineup, rounds: _Rounds,
+               synthetic: bool) -> dict[str, Any]:
+    """The JSON-ready result of the timed rounds: speedups against the ideal per phase, a row per
+    configuration, the substitute's cost, the timings with their samples."""
+    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
+    counted, samples = lineup.counted, rounds.samples
+    measured = rounds.activations_per_token
     fraction = measured / (num_layers * k_orig)
     d_full = counted["full"]["distinct_experts_per_step"]
     decode_fraction = {name: counted[name]["distinct_experts_per_step"] / d_full for name in counted}
@@ -335,8 +379,8 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
                                                                 if isinstance(p, DistinctExperts)} or None},
                               "measured_activations_per_token": measured, "budget_fraction": fraction,
                               "decode_fraction": decode_fraction["plan"],
-                              "settings": asdict(config),
-                              "experts_kernel": f"allocmoe {_kernel_of(model, device)}, for full and plans alike",
+                              "settings": config.model_dump(),
+                              "experts_kernel": None,
                               "ideal": {"formula": "t_full / (t_off + b * (t_full - t_off))",
                                         "prefill_b": "measured activations per token / (L * K)",
                                         "decode_b": "distinct experts per decode step, plan / full (means over "
@@ -349,30 +393,9 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
         result[f"{phase}_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
         result[f"{phase}_fraction_of_ideal"] = share_of_ideal_gain(t_full, t_plan, t_off, b)
         result[f"{phase}_fraction_of_ideal_paired"] = _paired_share(samples, phase, "plan", b)
-
-    configurations: dict[str, dict[str, Any]] = {}
-    t_full, t_off = timings["full"]["decode"]["median"], timings["off"]["decode"]["median"]
-    for name in names:
-        t = timings[name]["decode"]["median"]
-        row: dict[str, Any] = {"label": _label(name, plans.get(name), k_orig),
-                               **({"k": uniform_k} if name == "uniform" else {}),
-                               "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.batch_size / t,
-                               "prefill_seconds": timings[name]["prefill"]["median"], "decode_speedup": t_full / t}
-        if name in counted:
-            c = counted[name]
-            row.update({key: c[key] for key in ("activations_per_token", "distinct_experts_per_step",
-                                                 "max_distinct_experts_per_step", "distinct_experts_per_layer")})
-            if c["top1_outside_chosen_rate"] is not None:
-                row["top1_outside_chosen_rate"] = c["top1_outside_chosen_rate"]
-            row["counted_steps_match_timed"] = bool(torch.equal(c["tokens"], timed_tokens[name]))
-            if name != "full":
-                b = decode_fraction[name]
-                row["decode_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
-                row["decode_share_of_ideal_gain"] = share_of_ideal_gain(t_full, t, t_off, b)
-                row["decode_share_of_ideal_gain_paired"] = _paired_share(samples, "decode", name, b)
-        configurations[name] = row
-    result["configurations"] = configurations
-    if twin:
+    result["configurations"] = {name: _configuration_row(name, lineup, rounds, timings, decode_fraction, config,
+                                                         k_orig) for name in lineup.names}
+    if "twin" in lineup.names:
         result["substitute_cost"] = {
             phase: {"ratio": timings["plan"][phase]["median"] / timings["twin"][phase]["median"],
                     "ratio_paired": statistics.median(p / t for p, t in zip(samples["plan"][phase],
@@ -385,16 +408,42 @@ def benchmark(model, plan, config: BenchConfig | None = None, synthetic: bool = 
     result["timings_seconds"] = timings
     result["distinct_experts_per_decode_step"] = {"full": d_full, "plan": counted["plan"]["distinct_experts_per_step"],
                                                   "num_experts": fingerprint["num_experts"]}
-    result["peak_memory_bytes"] = (torch.cuda.max_memory_allocated(device) if device.type == "cuda"
-                                   else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
-    result["environment"] = {
-        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu ({platform.processor() or platform.machine()})",
-        "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
-        "torch": torch.__version__, "transformers": __import__("transformers").__version__, "allocmoe": __version__,
-        "python": platform.python_version()}
-    if synthetic:
-        result["note"] = "synthetic model with random weights: timings are real, quality numbers are meaningless"
     return result
+
+
+def _configuration_row(name: str, lineup: _Lineup, rounds: _Rounds, timings, decode_fraction: dict[str, float],
+                       config: BenchConfig, k_orig: int) -> dict[str, Any]:
+    """One configuration's row of the side-by-side decode table (format_table)."""
+    t_full, t_off = timings["full"]["decode"]["median"], timings["off"]["decode"]["median"]
+    t = timings[name]["decode"]["median"]
+    row: dict[str, Any] = {"label": _label(name, lineup.plans.get(name), k_orig),
+                           **({"k": lineup.uniform_k} if name == "uniform" else {}),
+                           "decode_step_ms": 1000 * t, "decode_tokens_per_second": config.sequences / t,
+                           "prefill_seconds": timings[name]["prefill"]["median"], "decode_speedup": t_full / t}
+    if name in lineup.counted:
+        c = lineup.counted[name]
+        row.update({key: c[key] for key in ("activations_per_token", "distinct_experts_per_step",
+                                             "max_distinct_experts_per_step", "distinct_experts_per_layer")})
+        if c["top1_outside_chosen_rate"] is not None:
+            row["top1_outside_chosen_rate"] = c["top1_outside_chosen_rate"]
+        row["counted_steps_match_timed"] = bool(torch.equal(c["tokens"], rounds.tokens[name]))
+        if name != "full":
+            b = decode_fraction[name]
+            row["decode_ideal_speedup"] = ideal_speedup(t_full, t_off, b)
+            row["decode_share_of_ideal_gain"] = share_of_ideal_gain(t_full, t, t_off, b)
+            row["decode_share_of_ideal_gain_paired"] = _paired_share(rounds.samples, "decode", name, b)
+    return row
+
+
+def _environment(model, device: torch.device) -> dict[str, Any]:
+    """Where the timings were taken: device, dtype, threads and library versions."""
+    from ..version import __version__
+
+    return {"device": torch.cuda.get_device_name(device) if device.type == "cuda"
+            else f"cpu ({platform.processor() or platform.machine()})",
+            "dtype": str(next(model.parameters()).dtype).removeprefix("torch."), "threads": torch.get_num_threads(),
+            "torch": torch.__version__, "transformers": __import__("transformers").__version__,
+            "allocmoe": __version__, "python": platform.python_version()}
 
 
 def _paired_share(samples, phase: str, name: str, fraction: float) -> float | None:
@@ -425,7 +474,7 @@ def format_table(result: dict[str, Any]) -> str:
     """The side-by-side decode table of a result, as Markdown."""
     s = result["settings"]
     num_experts = result["model"]["num_experts"]
-    lines = [f"batch {s['batch_size']}, prompt {s['input_len']}, {s['output_len']} decode steps, "
+    lines = [f"batch {s.get('sequences', s.get('batch_size'))}, prompt {s['input_len']}, {s['output_len']} decode steps, "
              f"{s['repeats']} timed rounds (medians); distinct experts of {num_experts} per layer",
              "",
              "| configuration | activations/token | distinct experts/step (max) | step ms | decode tok/s | speedup "

@@ -31,7 +31,7 @@ import platform
 import sys
 import time
 from contextlib import closing
-from dataclasses import asdict, field
+from pydantic import Field
 from pathlib import Path
 from typing import Any, Callable
 
@@ -42,7 +42,7 @@ from tqdm import tqdm
 from ..version import __version__
 from ..routing.apply import apply_plan
 from ..core.budget import Budget
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..errors import AllocMoeError, Interrupted
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.files import atomic_write_json, json_safe, read_json
@@ -56,28 +56,30 @@ READS_PROFILE = ("alloc-moe", "alloc-l", "auto")     # the methods that read the
 ROWS_FILE = "rows.partial.json"                     # finished rows of a sweep not yet written out
 
 
-@config_class(flags={"eval_max_tokens": "--eval-tokens", "task_limit": "--limit",
-                     "threads_per_worker": "SweepConfig.threads_per_worker"})
-class SweepConfig:
+class SweepConfig(Config):
+    """The sweep's table (budgets x methods), how rows are scored, the profile's settings, where it runs."""
+    __config_aliases__ = {"eval_max_tokens": "eval_tokens", "batch_size": "windows_per_pass"}   # deprecated
+    __config_flags__ = {"task_limit": "--limit", "threads_per_worker": "SweepConfig.threads_per_worker"}
+
     budgets: tuple[str, ...] | list[str] = DEFAULT_BUDGETS   # "1/2", "0.5", "78": as `--budget` takes them
-    methods: tuple[str, ...] | list[str] = METHODS  # every method by default
-    eval_max_tokens: int | None = 16384             # test tokens scored per row (None = the whole text)
+    methods: tuple[str, ...] | list[str] = METHODS  # the table's rows per budget: every method by default
+    eval_tokens: int | None = 16384                 # test tokens scored per row (None = the whole text)
     seq_len: int | None = None                      # window for calibration and evaluation
-    batch_size: int = 4                             # windows per forward pass
+    windows_per_pass: int = 4                       # windows per forward pass
     k_base: int = 1                                 # Alloc-T's k_base for alloc-moe and alloc-t
-    profile: ProfileConfig | dict = field(default_factory=ProfileConfig)   # calibration for profiling
-    progress: bool = True
+    profile: ProfileConfig | dict = Field(default_factory=ProfileConfig)   # calibration for profiling
+    progress: bool = True                           # one bar over the rows (stderr); False for scripts and logs
     tasks: tuple[str, ...] | list[str] = ()         # lm-eval tasks scored per row (needs allocmoe[eval])
     task_limit: int | None = None                   # lm-eval: at most N examples per task
-    num_fewshot: int | None = None
-    include_path: str | None = None
+    num_fewshot: int | None = None                  # lm-eval: few-shot examples (None: each task's own default)
+    include_path: str | None = None                 # lm-eval: a folder of extra task YAMLs
     ray: str | None = None                          # rows (and the profile) on Ray: 'local', 'auto' or an address
     ray_workers: int | None = None                  # Ray actors holding the model; None = the cluster's CPUs // threads
     threads_per_worker: int = 1                     # torch threads (and Ray CPUs) per actor
 
-    def __post_init__(self):        # types are checked by @config_class before this runs
+    def __post_init__(self):        # types are checked by Config.__init__ before this runs
         self.budgets, self.methods, self.tasks = tuple(self.budgets), tuple(self.methods), tuple(self.tasks)
-        check_counts(self, {"eval_max_tokens": 1, "seq_len": 2, "batch_size": 1, "k_base": 0, "task_limit": 1,
+        check_counts(self, {"eval_tokens": 1, "seq_len": 2, "windows_per_pass": 1, "k_base": 0, "task_limit": 1,
                             "num_fewshot": 0})           # the Ray fields: check_ray_fields below
         self.profile = checked_config(ProfileConfig, self.profile)
         if self.profile.ray is not None:
@@ -114,114 +116,152 @@ def sweep(model, tokenizer, calib_text: str, eval_text: str, config: SweepConfig
     that each load it once (calibrate/distributed.py), to the same table, in whatever order they
     finish; the results then say how the rows were spread (`ray`)."""
     config = checked_config(SweepConfig, config)
-    started = time.time()
-    on_ray, ray_started, pool = config.ray is not None, False, None
-    spec = model_folder(model, ProfileConfig(ray=config.ray))
-    if spec is not None:
-        tokenizer = tokenizer if tokenizer is not None else spec.tokenizer()
-        model = spec.skeleton() if on_ray else spec.load()[0]      # on Ray the workers load it
-    fingerprint = model_fingerprint(model)
-    num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
-    budgets = [Budget.parse(b, num_layers, k_orig) for b in config.budgets]      # fail fast on a bad one
-    if config.tasks:
-        from ..measure.evaluate.harness import check_tasks
+    run = _SweepRun(model, tokenizer, eval_text, config, output_dir)
+    run.score(calib_text, profile, text_names[0], on_row)
+    results = run.results(text_names)
+    if output_dir:
+        from ..measure.report import write_report, written_together
 
-        check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
-    seq_len = window_len(model, config.seq_len)
-    eval_windows = tokenize_windows(tokenizer, eval_text, seq_len, config.eval_max_tokens)
-    check_batch_size(eval_windows, config.batch_size)        # the CLI's refusal, before the profile's hours
-    pairs = [(budget, method) for budget in budgets for method in config.methods]
-    items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
-    results_of: dict[Any, Any] = {}                     # "full" or a row's index -> its result
-    kept = RowCheckpoint(Path(output_dir) / ROWS_FILE) if output_dir else None
-    given_profile = profile is not None
-    try:
-        if on_ray:
-            from ..calibrate.distributed import RayPool, RaySettings, SweepWorker, connect
+        with written_together(Path(output_dir)) as folder:   # all five files, or none of them
+            atomic_write_json(folder / "results.json", results)
+            atomic_write_json(folder / "plans.json", run.plans)
+            write_report(results, folder)
+        run.kept.discard()                             # the results hold every row now
+    return results
 
-            settings = RaySettings(address=config.ray, workers=config.ray_workers,
-                                   threads_per_worker=config.threads_per_worker)
-            ray_started, workers = connect(settings)
-        profile = _sweep_profile(spec if on_ray else model, tokenizer, calib_text, config, seq_len,
-                                 output_dir, profile, text_names[0])
-        ppl_config = {"batch_size": config.batch_size, "progress": False}
-        alloc_config = AllocateConfig(k_base=config.k_base, calib_max_tokens=config.profile.max_tokens,
-                                      seq_len=seq_len, batch_size=config.batch_size,
+
+class _SweepRun:
+    """One sweep from its checked inputs to its results: the model (or its folder, on Ray), the rows to
+    score (`items`: "full" first, then every (budget, method) pair), the checkpoint of finished rows."""
+
+    def __init__(self, model, tokenizer, eval_text: str, config: SweepConfig, output_dir):
+        """Everything checked before profiling: the budgets, the tasks, the evaluation text's windows."""
+        self.config, self.output_dir, self.started = config, output_dir, time.time()
+        self.on_ray, self.pool = config.ray is not None, None
+        self.spec = model_folder(model, ProfileConfig(ray=config.ray))
+        if self.spec is not None:
+            tokenizer = tokenizer if tokenizer is not None else self.spec.tokenizer()
+            model = self.spec.skeleton() if self.on_ray else self.spec.load()[0]      # on Ray the workers load it
+        self.model, self.tokenizer = model, tokenizer
+        self.fingerprint = model_fingerprint(model)
+        num_layers, k_orig = self.fingerprint["num_moe_layers"], self.fingerprint["k_orig"]
+        budgets = [Budget.parse(b, num_layers, k_orig) for b in config.budgets]      # fail fast on a bad one
+        if config.tasks:
+            from ..measure.evaluate.harness import check_tasks
+
+            check_tasks(config.tasks, config.include_path)          # fail before profiling, not after
+        self.seq_len = window_len(model, config.seq_len)
+        self.eval_windows = tokenize_windows(tokenizer, eval_text, self.seq_len, config.eval_tokens)
+        check_batch_size(self.eval_windows, config.windows_per_pass)   # the CLI's refusal, before the profile's hours
+        pairs = [(budget, method) for budget in budgets for method in config.methods]
+        self.items = [("full",)] + [(index, budget, method) for index, (budget, method) in enumerate(pairs)]
+        self.results_of: dict[Any, Any] = {}                # "full" or a row's index -> its result
+        self.kept = RowCheckpoint(Path(output_dir) / ROWS_FILE) if output_dir else None
+        self.profile = None
+
+    def score(self, calib_text: str, profile: dict | None, calib_name: str, on_row) -> None:
+        """Profile if a method needs it, then score every row not kept from an earlier run, in this
+        process or on Ray; a Ctrl-C says what a rerun picks up (`_interrupted`)."""
+        config, ray_started, given_profile = self.config, False, profile is not None
+        self.profile = profile
+        try:
+            if self.on_ray:
+                from ..calibrate.distributed import RaySettings, connect
+
+                settings = RaySettings(address=config.ray, workers=config.ray_workers,
+                                       threads_per_worker=config.threads_per_worker)
+                ray_started, workers = connect(settings)
+            self.profile = _sweep_profile(self.spec if self.on_ray else self.model, self.tokenizer, calib_text,
+                                          config, self.seq_len, self.output_dir, profile, calib_name)
+            work = self._work(calib_text)
+            todo = [item for item in self.items if item[0] not in self.results_of]
+            resumed = sum(1 for item in self.items if item[0] != "full" and item[0] in self.results_of)
+            with tqdm(total=len(self.items) - 1, initial=resumed, desc="sweep", unit="run",
+                      disable=not config.progress) as bar:
+                if self.on_ray:
+                    from ..calibrate.distributed import RayPool, SweepWorker
+
+                    self.pool = RayPool(SweepWorker, self.spec, work, settings, workers, "rerun the sweep")
+                    arrivals = self.pool.results(todo, lambda item, back: None if back else item, bar)
+                else:
+                    arrivals = work.in_order(self.model, self.tokenizer, todo, bar)
+                with closing(arrivals):                    # its workers stop before Ray does
+                    for item, result in arrivals:
+                        self._arrived(item, result, bar, on_row)
+        except KeyboardInterrupt as exc:
+            self._interrupted(exc, given_profile)
+        finally:
+            if ray_started:
+                import ray
+
+                ray.shutdown()
+
+    def _work(self, calib_text: str) -> "_RowWork":
+        """What each row needs (one process or every Ray worker), with the kept rows taken in."""
+        config = self.config
+        ppl_config = {"windows_per_pass": config.windows_per_pass, "progress": False}
+        alloc_config = AllocateConfig(k_base=config.k_base, calib_tokens=config.profile.calib_tokens,
+                                      seq_len=self.seq_len, windows_per_pass=config.windows_per_pass,
                                       progress=False)      # the sweep's own bar counts the rows
-        work = _RowWork(profile, calib_text, alloc_config, eval_windows, ppl_config, config)
-        if kept is not None:
-            kept.open(rows_key(with_weights(fingerprint, spec if on_ray else model), calib_text, eval_windows,
-                               alloc_config, config))
-            for item in items:
-                earlier = kept.get(_item_name(item, profile))
+        work = _RowWork(self.profile, calib_text, alloc_config, self.eval_windows, ppl_config, config)
+        if self.kept is not None:
+            self.kept.open(rows_key(with_weights(self.fingerprint, self.spec if self.on_ray else self.model),
+                                    calib_text, self.eval_windows, alloc_config, config))
+            for item in self.items:
+                earlier = self.kept.get(_item_name(item, self.profile))
                 if earlier is not None:
-                    results_of[item[0]] = earlier
-        todo = [item for item in items if item[0] not in results_of]
-        resumed = sum(1 for item in items if item[0] != "full" and item[0] in results_of)
-        with tqdm(total=len(items) - 1, initial=resumed, desc="sweep", unit="run",
-                  disable=not config.progress) as bar:
-            if on_ray:
-                pool = RayPool(SweepWorker, spec, work, settings, workers, "rerun the sweep")
-                arrivals = pool.results(todo, lambda item, back: None if back else item, bar)
-            else:
-                arrivals = work.in_order(model, tokenizer, todo, bar)
-            with closing(arrivals):                    # its workers stop before Ray does
-                for item, result in arrivals:
-                    results_of[item[0]] = result
-                    if kept is not None:
-                        kept.keep(_item_name(item, profile), result)
-                    if item[0] != "full":
-                        bar.update(1)
-                        if on_row:
-                            on_row(item[2], item[1].fraction)
-    except KeyboardInterrupt as exc:
+                    self.results_of[item[0]] = earlier
+        return work
+
+    def _arrived(self, item: tuple, result, bar, on_row) -> None:
+        self.results_of[item[0]] = result
+        if self.kept is not None:
+            self.kept.keep(_item_name(item, self.profile), result)
+        if item[0] != "full":
+            bar.update(1)
+            if on_row:
+                on_row(item[2], item[1].fraction)
+
+    def _interrupted(self, exc: KeyboardInterrupt, given_profile: bool) -> None:
+        """Re-raise a Ctrl-C as Interrupted naming what was kept (the profile, rows), when anything was."""
+        kept = self.kept
         if kept is None or isinstance(exc, Interrupted):
-            raise                                      # nothing kept to name, or the profile named its cells
-        saved = Path(output_dir) / "profile.json"
-        profiled = not given_profile and (kept.key is not None and profile is not None or
-                                          saved.is_file() and saved.stat().st_mtime >= started - 1)
+            raise exc                                  # nothing kept to name, or the profile named its cells
+        saved = Path(self.output_dir) / "profile.json"
+        profiled = not given_profile and (kept.key is not None and self.profile is not None or
+                                          saved.is_file() and saved.stat().st_mtime >= self.started - 1)
         if kept.key is None and not profiled:
-            raise
-        total = len(items) - 1
+            raise exc
+        total = len(self.items) - 1
         if kept.path.is_file():
             resume = (f"{'profile done, ' if profiled else ''}{kept.count(exclude='full')} of {total} rows kept in "
                       f"{kept.path}")
         else:
             resume = f"profile done, kept in {saved}; 0 of {total} rows scored"
         raise Interrupted(resume) from exc
-    finally:
-        if ray_started:
-            import ray
 
-            ray.shutdown()
-    full, full_tasks = results_of.pop("full")
-    done = [results_of[index] for index in range(len(items) - 1)]
-    for row, _, _ in done:
-        row["relative_change"] = relative_change(row["perplexity"], full)
-    rows = [row for row, _, _ in done]
-    plans = {key: plan for _, key, plan in done}
-    results = {
-        "model": {**fingerprint, "name": getattr(model.config, "_name_or_path", "")},
-        "full": {"perplexity": full["perplexity"], "activations_per_token": float(num_layers * k_orig),
-                 **({"tasks": full_tasks} if config.tasks else {})},
-        "evaluation": {"text": text_names[1], "tokens": full["tokens"], "windows": full["windows"],
-                       "seq_len": full["seq_len"],
-                       "batch_size": config.batch_size},
-        "calibration": profile["calibration"] if profile else {"text": text_names[0]},
-        "rows": rows,
-        "environment": environment(),
-        "seconds": round(time.time() - started, 1),
-        **({"ray": pool.provenance()} if pool is not None else {}),
-    }
-    if output_dir:
-        from ..measure.report import write_report, written_together
-
-        with written_together(Path(output_dir)) as folder:   # all five files, or none of them
-            atomic_write_json(folder / "results.json", results)
-            atomic_write_json(folder / "plans.json", plans)
-            write_report(results, folder)
-        kept.discard()                                 # the results hold every row now
-    return results
+    def results(self, text_names: tuple[str, str]) -> dict[str, Any]:
+        """The results dict (every row with its change against the full model); `plans` is set beside it."""
+        config, fingerprint = self.config, self.fingerprint
+        full, full_tasks = self.results_of.pop("full")
+        done = [self.results_of[index] for index in range(len(self.items) - 1)]
+        for row, _, _ in done:
+            row["relative_change"] = relative_change(row["perplexity"], full)
+        self.plans = {key: plan for _, key, plan in done}
+        return {
+            "model": {**fingerprint, "name": getattr(self.model.config, "_name_or_path", "")},
+            "full": {"perplexity": full["perplexity"],
+                     "activations_per_token": float(fingerprint["num_moe_layers"] * fingerprint["k_orig"]),
+                     **({"tasks": full_tasks} if config.tasks else {})},
+            "evaluation": {"text": text_names[1], "tokens": full["tokens"], "windows": full["windows"],
+                           "seq_len": full["seq_len"],
+                           "batch_size": config.windows_per_pass},
+            "calibration": self.profile["calibration"] if self.profile else {"text": text_names[0]},
+            "rows": [row for row, _, _ in done],
+            "environment": environment(),
+            "seconds": round(time.time() - self.started, 1),
+            **({"ray": self.pool.provenance()} if self.pool is not None else {}),
+        }
 
 
 def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_len: int, output_dir, profile,
@@ -231,7 +271,7 @@ def _sweep_profile(model, tokenizer, calib_text: str, config: SweepConfig, seq_l
     needs_profile = any(m in READS_PROFILE for m in config.methods)
     if profile is not None or not needs_profile:
         return profile
-    profile_config = ProfileConfig(**{**asdict(config.profile), "seq_len": seq_len, "batch_size": config.batch_size,
+    profile_config = ProfileConfig(**{**config.profile.model_dump(), "seq_len": seq_len, "windows_per_pass": config.windows_per_pass,
                                       "progress": config.progress, "ray": config.ray,
                                       "ray_workers": config.ray_workers,
                                       "threads_per_worker": config.threads_per_worker})
@@ -263,7 +303,7 @@ class _RowWork:
 
         config = self.config
         return run_tasks(model, tokenizer, list(config.tasks), config.num_fewshot, config.task_limit,
-                         config.include_path, batch_size=config.batch_size)
+                         config.include_path, batch_size=config.windows_per_pass)
 
     def full(self, model, tokenizer) -> tuple[dict[str, Any], Any]:
         """The unmodified model's perplexity facts (and task scores)."""
@@ -323,7 +363,7 @@ def _finished_profile(path: Path, model, calib_text: str, config: ProfileConfig,
     found_model = {key: value for key, value in saved["model"].items() if value is not None}
     calibration = saved.get("calibration") or {}
     wanted = {"text": calib_name, "sha256": hashlib.sha256(calib_text.encode()).hexdigest()[:16],
-              "seq_len": config.seq_len, "max_tokens": config.max_tokens, "batch_size": config.batch_size}
+              "seq_len": config.seq_len, "max_tokens": config.calib_tokens, "batch_size": config.windows_per_pass}
     found = {key: calibration.get(key) for key in wanted}
     if found_model != wanted_model or found != wanted:
         why = why_not_resumed({"model": found_model, "calibration": found},
@@ -361,7 +401,7 @@ def rows_key(fingerprint: dict[str, Any], calib_text: str, eval_windows: torch.T
     return {"model": fingerprint,
             "calibration_sha256": sha(calib_text.encode()),
             "evaluation": {"sha256": sha(windows.numpy().tobytes()), "shape": list(windows.shape)},
-            "allocate": asdict(alloc_config),
+            "allocate": alloc_config.model_dump(),
             "tasks": {"tasks": list(config.tasks), "limit": config.task_limit, "num_fewshot": config.num_fewshot,
                       "include_path": config.include_path},
             "allocmoe": __version__}

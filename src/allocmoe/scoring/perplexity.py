@@ -2,7 +2,7 @@
 into non-overlapping windows of `seq_len` tokens; every token after a window's first is scored.
 
 Not lm-eval's `wikitext` task, which reports word and byte perplexity.
-Windows are batched `batch_size` at a time; with a plan applied, an Alloc-T pool spans the batch.
+Windows are batched `windows_per_pass` at a time; with a plan applied, an Alloc-T pool spans the batch.
 
 With `decode_batch` B the windows are scored as B sequences decoded side by side: each forward
 pass holds exactly B windows, and its position s across them is one decode step (the tokens one
@@ -20,22 +20,24 @@ from dataclasses import asdict, dataclass
 import torch
 from tqdm import tqdm
 
-from ..core.config import check_counts, checked_config, config_class
+from ..core.config import Config, check_counts, checked_config
 from ..errors import AllocMoeError
 
 MIN_TOKENS = 16
 
 
-@config_class(flags={"max_tokens": "--eval-tokens"})
-class PerplexityConfig:
+class PerplexityConfig(Config):
+    """How a text is scored: its windows, how many tokens, how many windows per forward pass."""
+    __config_aliases__ = {"max_tokens": "eval_tokens", "batch_size": "windows_per_pass"}    # deprecated names
+
     seq_len: int | None = None      # window length; None = min(2048, the model's position limit)
-    max_tokens: int | None = None   # score only the first N tokens of the text (None = all of it)
-    batch_size: int = 4             # windows per forward pass (also the Alloc-T pool's extent)
+    eval_tokens: int | None = None  # score only the first N tokens of the text (None = all of it)
+    windows_per_pass: int = 4       # windows per forward pass (also the Alloc-T pool's extent)
     progress: bool = True           # show a progress bar
-    decode_batch: int | None = None  # score as this many sequences decoded side by side (replaces batch_size)
+    decode_batch: int | None = None  # score as this many sequences decoded side by side (replaces windows_per_pass)
 
     def __post_init__(self):
-        check_counts(self, {"seq_len": 2, "max_tokens": 1, "batch_size": 1, "decode_batch": 1})
+        check_counts(self, {"seq_len": 2, "eval_tokens": 1, "windows_per_pass": 1, "decode_batch": 1})
 
 
 @dataclass
@@ -69,7 +71,7 @@ def window_len(model, seq_len: int | None) -> int:
 def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None = None,
                      beyond: str | None = None) -> torch.Tensor:
     """Tokenise once and cut into windows: [N, seq_len] (a shorter text gives one shorter window).
-    With `beyond` (the flag that set `max_tokens`, e.g. "calib_max_tokens (--calib-tokens)"), a
+    With `beyond` (the flag that set `max_tokens`, e.g. "calib_tokens (--calib-tokens)"), a
     `max_tokens` above the text's tokens is refused instead of read as "all of it"."""
     ids = tokenizer(text, add_special_tokens=False, return_attention_mask=False, verbose=False)["input_ids"]
     if beyond is not None and max_tokens is not None and max_tokens > len(ids) >= MIN_TOKENS:
@@ -89,7 +91,7 @@ def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None 
 DEFAULT_BATCH = 4          # the configs' default windows per pass: taken as "up to 4" on a shorter text
 
 
-def check_batch_size(windows: torch.Tensor, batch_size: int, flag: str = "batch_size (--batch-size)") -> None:
+def check_batch_size(windows: torch.Tensor, batch_size: int, flag: str = "windows_per_pass (--windows-per-pass)") -> None:
     """Refuse a batch of more windows than the text gives (the default is read as "up to")."""
     count, length = windows.shape
     if batch_size > max(count, DEFAULT_BATCH):
@@ -121,15 +123,15 @@ def evaluate_perplexity(model, tokenizer, text: str, config: PerplexityConfig | 
     check_arguments(model, tokenizer, text, windows)
     seq_len = window_len(model, config.seq_len)
     if windows is None:
-        windows = tokenize_windows(tokenizer, text, seq_len, config.max_tokens, beyond="max_tokens (--eval-tokens)")
+        windows = tokenize_windows(tokenizer, text, seq_len, config.eval_tokens, beyond="eval_tokens (--eval-tokens)")
     if config.decode_batch is None:
-        check_batch_size(windows, config.batch_size)
+        check_batch_size(windows, config.windows_per_pass)
     fill = check_decode_batch(windows, config.decode_batch)
     rows = windows.size(0)                                                      # windows scored
     routed = torch.cat([windows, windows[:fill]]) if fill else windows          # [N + fill, S]
     device = next(model.parameters()).device
     total_nll, total_tokens = 0.0, 0
-    batches = routed.split(config.decode_batch or config.batch_size)
+    batches = routed.split(config.decode_batch or config.windows_per_pass)
     handle = active_handle(model) if config.decode_batch else None
     if handle is not None:                  # each position of the pass is a decode step: count and pool so
         saved = handle.context.count_steps, handle.context.decode_steps

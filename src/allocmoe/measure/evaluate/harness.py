@@ -145,7 +145,7 @@ def _padding_aware(HFLM):
                     self._warned_padding = True
                     warnings.warn("token 0 is an ordinary token of this tokenizer, so lm-eval's right-padding "
                                   "cannot be told from text: pads count as tokens for Alloc-T's pool and the "
-                                  "measured activations; --batch-size 1 avoids padding", stacklevel=2)
+                                  "measured activations; --windows-per-pass 1 avoids padding", stacklevel=2)
                 return super()._model_call(inps, attn_mask, labels)
             with torch.no_grad(), torch.autocast(device_type=self.device.type, dtype=self.mixed_precision_dtype,
                                                  enabled=self.mixed_precision_dtype is not None):

@@ -17,10 +17,11 @@ from ...texts import read_text
 
 def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLike | Plan | None = None,
                    text: str | os.PathLike | None = None, seq_len: int | None = None,
-                   max_tokens: int | None = None, batch_size: int = 4,
+                   eval_tokens: int | None = None, windows_per_pass: int = 4,
                    trust_remote_code: bool = False, tasks: list[str] | None = None,
                    task_options: dict[str, Any] | None = None, progress: bool = True,
-                   decode_batch: int | None = None) -> dict[str, Any]:
+                   decode_batch: int | None = None, *, config: PerplexityConfig | dict | None = None,
+                   **deprecated: Any) -> dict[str, Any]:
     """Perplexity of a model folder (default: built-in) with an optional plan, on a text file
     (default: the built-in test split); with `tasks`, also lm-eval task metrics (the [eval] extra)
     and each item's scores, which `allocmoe compare` pairs up. Returns the JSON-ready result.
@@ -31,19 +32,19 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
     distinct-expert budget runs, how often a token's own top-1 fell outside the step's chosen set.
     Without a plan the model is counted under a full top-K_orig plan (the unmodified selection).
 
+    The scoring settings come as keywords (`seq_len`, `eval_tokens`, `windows_per_pass`, `progress`,
+    `decode_batch`) or as one `config` (a PerplexityConfig or its dict), not both; `max_tokens` and
+    `batch_size` are the deprecated names of `eval_tokens` and `windows_per_pass`.
+
     Every input is checked before the weights load (text, plan file, model folder, the plan and
     `seq_len` against the model's layout, task names), and the text's length before the first pass."""
-    from ...core.config import check_argument
     from .harness import check_task_options
 
-    if isinstance(tasks, str):
-        raise AllocMoeError(f"evaluate_model: tasks must be a list of task names, got the string {tasks!r}; give "
-                            f"[{tasks!r}]")
-    check_argument("evaluate_model", "trust_remote_code", trust_remote_code, bool)
-    check_argument("evaluate_model", "tasks", tasks, list[str] | tuple[str, ...] | None, "a list of task names")
-    check_argument("evaluate_model", "task_options", task_options, dict | None, "a dict of lm-eval options")
-    config = PerplexityConfig(seq_len=seq_len, max_tokens=max_tokens, batch_size=batch_size, progress=progress,
-                              decode_batch=decode_batch)
+    _check_arguments(trust_remote_code, tasks, task_options)
+    config = _scoring_config(config, {"seq_len": seq_len, "eval_tokens": eval_tokens,
+                                      "windows_per_pass": windows_per_pass, "progress": progress,
+                                      "decode_batch": decode_batch}, deprecated)
+    decode_batch = config.decode_batch
     options = dict(task_options or {})
     check_task_options(tasks, **options)
     body, text_name = read_text(text, "test")
@@ -52,19 +53,7 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
 
         plan = as_plan(plan, "evaluate_model")
     spec = inspect_model(model, trust_remote_code)
-    skeleton = spec.skeleton()
-    window = window_len(skeleton, seq_len)
-    if plan is not None:
-        check_plan(plan, skeleton)
-    if tasks:
-        from .harness import check_tasks
-
-        check_tasks(tasks, options.get("include_path"))
-    windows = tokenize_windows(spec.tokenizer(), body, window, max_tokens,        # too short: before the weights
-                               beyond="max_tokens (--eval-tokens)")
-    if decode_batch is None:
-        check_batch_size(windows, batch_size)
-    fill = check_decode_batch(windows, decode_batch)
+    windows, fill = _checked_against_model(spec, plan, body, tasks, options, config)
     net, tok = spec.load()
     fingerprint = model_fingerprint(net)
     full = float(fingerprint["num_moe_layers"] * fingerprint["k_orig"])
@@ -83,7 +72,7 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
         if tasks:
             from .harness import score_tasks
 
-            task_results, task_items = score_tasks(net, tok, tasks, batch_size=batch_size, **options)
+            task_results, task_items = score_tasks(net, tok, tasks, batch_size=config.windows_per_pass, **options)
     finally:
         if handle is not None:
             handle.remove()
@@ -92,6 +81,62 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
             "budget_fraction_measured": measured / full, "activations_per_layer": per_layer, **steps,
             "plan": None if plan is None else {"method": plan.method, "budget": plan.budget},
             "text": text_name, "model": fingerprint}
+
+
+def _check_arguments(trust_remote_code, tasks, task_options) -> None:
+    """evaluate_model's arguments that are not the scoring config, by type."""
+    from ...core.config import check_argument
+
+    if isinstance(tasks, str):
+        raise AllocMoeError(f"evaluate_model: tasks must be a list of task names, got the string {tasks!r}; give "
+                            f"[{tasks!r}]")
+    check_argument("evaluate_model", "trust_remote_code", trust_remote_code, bool)
+    check_argument("evaluate_model", "tasks", tasks, list[str] | tuple[str, ...] | None, "a list of task names")
+    check_argument("evaluate_model", "task_options", task_options, dict | None, "a dict of lm-eval options")
+
+
+def _checked_against_model(spec, plan, body: str, tasks, options: dict, config: PerplexityConfig):
+    """Before the weights load: the plan and --seq-len against the model's layout, the task names, the
+    text cut into windows (long enough, and enough windows for --windows-per-pass or --decode-batch).
+    Returns (windows, the top-up windows a decode batch adds)."""
+    skeleton = spec.skeleton()
+    window = window_len(skeleton, config.seq_len)
+    if plan is not None:
+        check_plan(plan, skeleton)
+    if tasks:
+        from .harness import check_tasks
+
+        check_tasks(tasks, options.get("include_path"))
+    windows = tokenize_windows(spec.tokenizer(), body, window, config.eval_tokens,  # too short: before the weights
+                               beyond="eval_tokens (--eval-tokens)")
+    if config.decode_batch is None:
+        check_batch_size(windows, config.windows_per_pass)
+    return windows, check_decode_batch(windows, config.decode_batch)
+
+
+_DEFAULTS = {"seq_len": None, "eval_tokens": None, "windows_per_pass": 4, "progress": True, "decode_batch": None}
+
+
+def _scoring_config(config, keywords: dict[str, Any], deprecated: dict[str, Any]) -> PerplexityConfig:
+    """evaluate_model's PerplexityConfig: `config` as given, or one made of its keywords (those left at
+    their defaults when `config` is given; the deprecated `max_tokens` / `batch_size` renamed, warning)."""
+    from ...core.config import checked_config, renamed
+
+    unknown = sorted(set(deprecated) - set(PerplexityConfig.__config_aliases__))
+    if unknown:
+        raise AllocMoeError(f"evaluate_model got unexpected keyword(s) {unknown}; see help(allocmoe.evaluate_model)")
+    deprecated = renamed(PerplexityConfig, deprecated)
+    given = {name: value for name, value in keywords.items() if value is not _DEFAULTS[name]}
+    twice = sorted(set(given) & set(deprecated))
+    if twice:
+        raise AllocMoeError(f"evaluate_model got {twice} under the old and the new name; give the new name alone")
+    given.update(deprecated)
+    if config is not None:
+        if given:
+            raise AllocMoeError(f"evaluate_model got config= and {sorted(given)}; give the scoring settings in "
+                                "config alone, or as keywords alone")
+        return checked_config(PerplexityConfig, config)
+    return PerplexityConfig(**{**keywords, **deprecated})
 
 
 def _decode_steps(handle, decode_batch: int, fill: int) -> dict[str, Any]:
