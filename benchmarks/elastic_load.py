@@ -12,7 +12,7 @@ unchanged). The ladder is the full model and uniform plans at 5/6, 2/3, 1/2 and 
 given as --plan files (a random model has no profile worth making).
 
 First the full server (no target) runs one client for `--warmup` requests; its own measured decode
-step time (allocmoe_step_seconds on /metrics) sets T = `--target-factor` x that. Then the full server
+step time (allocmoe_time_per_output_token_seconds on /metrics) sets T = `--target-factor` x that. Then the full server
 and the elastic server (T) each take the same ramp of concurrent clients (`--levels`, each held
 `--level-seconds`; each client sends streaming completions back to back, and a level ends when its
 requests have finished). Per level and server: time per output token p50/p95 over requests
@@ -158,10 +158,10 @@ def pct(values: list[float], q: float) -> float:
 
 
 def decode_steps(base: str) -> tuple[float, float]:
-    """(sum of seconds, count) of the server's measured decode steps, from /metrics."""
+    """(sum of seconds, count) of the server's measured decode steps (time per output token), from /metrics."""
     text = httpx.get(f"{base}/metrics").text
     found = {m.group(1): float(m.group(2)) for m in
-             re.finditer(r'^allocmoe_step_seconds_(sum|count)\{kind="decode"\} (\S+)$', text, re.M)}
+             re.finditer(r'^allocmoe_time_per_output_token_seconds_(sum|count) (\S+)$', text, re.M)}
     return found.get("sum", 0.0), found.get("count", 0.0)
 
 

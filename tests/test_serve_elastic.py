@@ -3,7 +3,7 @@
 Steps are made slow deterministically: the server is handed a clock that only the model's forward
 pass moves, by a cost that grows with the batch's rows and the activations their plans spend
 (COST), so every assertion is on the server's own measured and predicted step times, never on the
-wall clock of the test. Under that cost a 30 ms target holds full quality up to 5 rows and needs
+wall clock of the test. Under that cost a 29.5 ms target holds full quality up to 4 rows and needs
 half the budget at 8."""
 
 from __future__ import annotations
@@ -21,8 +21,9 @@ from allocmoe.serve.elastic import StepTimes, replay
 from allocmoe.serve.sampling import SamplingParams
 from test_serve import HANG, MODEL, PROMPTS, metric, serving
 
-TARGET_MS = 30.0
+TARGET_MS = 29.5
 FIXED, PER_ROW = 0.010, 0.004     # seconds: a pass costs FIXED + PER_ROW x (each row's budget / full)
+NEW = 64           # tokens per request under load: three waves of 8 requests, 192 decode steps
 LADDER = {"r56": "5/6", "r23": "2/3", "r12": "1/2", "r13": "1/3"}
 
 
@@ -60,10 +61,10 @@ def ladder_plans():
 @pytest.fixture(scope="module")
 def busy(ladder_plans):
     """One saturating load on a server whose ladder is its --plans, with --record-plans: 24 elastic
-    requests of 40 tokens, one with a floor of 0.6, one opted out, one naming the 1/3 plan."""
+    requests of NEW tokens, one with a floor of 0.6, one opted out, one naming the 1/3 plan."""
     app = elastic_app(plans=ladder_plans, record_plans=True)
     with serving(app) as base:
-        bodies = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": 40, "temperature": 0, "ignore_eos": True}
+        bodies = [{"prompt": PROMPTS[i % len(PROMPTS)], "max_tokens": NEW, "temperature": 0, "ignore_eos": True}
                   for i in range(24)]
         bodies[5]["allocmoe"] = {"min_budget": 0.6}
         bodies[6]["allocmoe"] = {"elastic": False}
@@ -110,9 +111,13 @@ def test_under_a_saturating_load_the_server_steps_down_and_meets_the_target(busy
     full_batches = [s for s in steps if s.rows == 8]
     assert len(full_batches) >= 40
     assert min(s.rung for s in full_batches[3:]) >= 3          # at 8 rows 2/3 misses T: half the budget or less
+    assert sum(s.rung == 3 for s in full_batches) >= 0.3 * len(full_batches)    # not all at the poorest
     assert any(s.rung == 0 for s in steps)                      # and the full model where the batch was small
     predicted = [s for s in full_batches[3:] if s.predicted is not None]
-    assert predicted and all(s.predicted <= TARGET_MS / 1000 + 1e-9 for s in predicted)
+    # a wave of new requests' prefill lands in one step's time (it counts against T) and lifts the
+    # prediction over T for a few steps, which then run the poorest rung
+    over = [(i, s) for i, s in enumerate(steps) if s.predicted is not None and s.predicted > TARGET_MS / 1000 + 1e-9]
+    assert len(over) <= 0.2 * len(predicted) and all(s.rung == 4 for _, s in over), (over, steps[:12])
     elastic = [r["usage"]["allocmoe"] for b, r in zip(bodies, replies) if "allocmoe" not in b]
     assert all(u["plan"] == "elastic" for u in elastic)
     assert sum(u["activations_per_token"] for u in elastic) / len(elastic) < 30
@@ -128,8 +133,8 @@ def test_floors_opt_outs_and_named_plans_are_kept_under_load(busy):
     assert floor["plan"] == "elastic" and {p for p, _ in floor["plans"]} <= {"full", "r56", "r23"}
     assert floor["activations_per_token"] >= 24
     assert opted_out["plan"] == "full" and opted_out["activations_per_token"] == 36
-    assert opted_out["plans"] == [["full", 40]]
-    assert named["plan"] == "r13" and named["activations_per_token"] == 12 and named["plans"] == [["r13", 40]]
+    assert opted_out["plans"] == [["full", NEW]]
+    assert named["plan"] == "r13" and named["activations_per_token"] == 12 and named["plans"] == [["r13", NEW]]
 
 
 def test_recorded_plans_reproduce_each_request_run_alone(busy, ladder_plans):
@@ -141,14 +146,14 @@ def test_recorded_plans_reproduce_each_request_run_alone(busy, ladder_plans):
     assert len(changed) >= 3                # requests that ran under three plans or more
     for i in changed[:3]:
         recorded = replies[i]["usage"]["allocmoe"]["plans"]
-        assert sum(n for _, n in recorded) == 40
+        assert sum(n for _, n in recorded) == NEW
         prompt_ids = tok(bodies[i]["prompt"])["input_ids"]
         alone = replay(model, tok, prompt_ids, plans, recorded,
-                       SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+                       SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
         assert tok.decode(alone.generated) == replies[i]["choices"][0]["text"]
         assert alone.plan_steps == [[list(plans).index(p), n] for p, n in recorded]
-        full = replay(model, tok, prompt_ids, plans, [["full", 40]],
-                      SamplingParams(max_new_tokens=40, temperature=0, ignore_eos=True))
+        full = replay(model, tok, prompt_ids, plans, [["full", NEW]],
+                      SamplingParams(max_new_tokens=NEW, temperature=0, ignore_eos=True))
         assert full.generated != alone.generated        # the plans mattered: the check has teeth
 
 

@@ -8,8 +8,9 @@ rung whose predicted step time for the batch's size meets T, never below the req
 (`min_budget`). Requests that named a plan or a budget, or opted out, keep theirs.
 
 The prediction is `StepTimes`: what this server measured itself, per (rung, batch size), an EWMA of
-the step's seconds plus twice an EWMA of its deviation (a high-quantile bound, so that p95, not the
-mean, meets T). A cell not yet measured is estimated from the same rung's measured neighbours in
+the decode pass's seconds plus twice an EWMA of its deviation (a high-quantile bound, so that p95,
+not the mean, meets T), plus the same bound on what a token waits beyond its pass (below), kept over
+every step whatever its rung. A cell not yet measured is estimated from the same rung's measured neighbours in
 batch size (between two: linear; above only: the nearest above, since more rows cost no less; below
 only: the nearest below grown as another rung measured at both sizes grows, else in proportion to the
 rows, an upper bound when a step costs a fixed part plus a part per row). A rung never measured has
@@ -17,8 +18,11 @@ no prediction: it is tried only when stepping *down* (a poorer plan costs no mor
 that is already predicted too slow), never up. Nothing is assumed of the machine: the first steps
 run full, and the ladder is walked from what is measured.
 
-Prefill passes run elastic requests at the rung in force (the last decode decision); they are not
-timed against T, which is a time per output token. `replay` reruns one request alone with a recorded
+T is a time per output token: a decode step's measured time runs from the previous decode pass's
+end to its own, so a prefill pass between them (requests joining the batch) counts against T. That
+wait is learnt apart from the pass (it does not depend on the rung), so a burst of arrivals lifts
+every rung's prediction for a few steps and then decays, rather than leaving one rung's cell high. Prefill passes run elastic requests at the rung
+in force (the last decode decision). `replay` reruns one request alone with a recorded
 plan sequence (`--record-plans`), which is how the tests check that elastic output is honest.
 
 Not here: the plans themselves (plans.py makes and holds them), the HTTP fields (app.py).
@@ -51,7 +55,9 @@ class Rung:
 
 @dataclass(frozen=True)
 class Step:
-    """One decode pass the controller decided: what it predicted and what it measured."""
+    """One decode pass the controller decided: what it predicted and what it measured (the time per
+    output token of its rows: from the previous decode pass's end to its own, so a prefill pass
+    between counts; the pass alone when the batch was idle before it)."""
     rows: int
     rung: int
     predicted: float | None
@@ -64,20 +70,28 @@ class StepTimes:
     def __init__(self, alpha: float = 0.25, spread: float = 2.0):
         self.alpha = alpha          # weight of the newest step in each cell's running means
         self.spread = spread        # deviations added to the mean: the bound p95 is held to, not the mean
-        self._cells: dict[int, dict[int, list[float]]] = {}     # rung -> rows -> [mean, mean |deviation|]
+        self._cells: dict[int, dict[int, list[float]]] = {}     # rung -> rows -> [mean, |deviation|, at step]
+        self._step = 0                  # steps observed, in any cell
 
     def observe(self, rung: int, rows: int, seconds: float) -> None:
+        self._step += 1
         cell = self._cells.setdefault(rung, {}).get(rows)
         if cell is None:
-            self._cells[rung][rows] = [seconds, 0.0]
+            self._cells[rung][rows] = [seconds, 0.0, self._step]
             return
         deviation = abs(seconds - cell[0])
         cell[0] += self.alpha * (seconds - cell[0])
-        cell[1] += self.alpha * (deviation - cell[1])
+        cell[1] = self._deviation(cell) + self.alpha * (deviation - self._deviation(cell))
+        cell[2] = self._step
+
+    def _deviation(self, cell: list[float]) -> float:
+        """A cell's deviation fades as other cells are measured: a rung left after one slow step is
+        tried again once its measured mean meets T (the mean itself is never guessed down)."""
+        return cell[1] * (1 - self.alpha) ** (self._step - cell[2])
 
     def measured(self, rung: int, rows: int) -> float | None:
         cell = self._cells.get(rung, {}).get(rows)
-        return None if cell is None else cell[0] + self.spread * cell[1]
+        return None if cell is None else cell[0] + self.spread * self._deviation(cell)
 
     def predict(self, rung: int, rows: int) -> float | None:
         own = {b: self.measured(rung, b) for b in self._cells.get(rung, {})}
@@ -122,6 +136,9 @@ class Elastic:
         self.on_step = on_step              # told every decided decode step (metrics)
         self.steps: deque[Step] = deque(maxlen=history)     # the latest decode steps, for tests and tuning
         self.in_force = 0                   # the rung of the last decode decision; prefill uses it
+        # what a token waits beyond its decode pass (prefill passes of joining requests, sampling): one
+        # running [mean, mean |deviation|] over every step, whatever its rung, so it stays current
+        self.overhead = [0.0, 0.0]
         self._pending: tuple[int, int, float | None] | None = None
 
     def floor(self, min_activations: float | None) -> int:
@@ -133,7 +150,9 @@ class Elastic:
 
     def decide(self, rows: int) -> tuple[int, float | None]:
         """(rung, its predicted seconds) for a decode pass of `rows` rows."""
+        extra = self.overhead[0] + self.times.spread * self.overhead[1]
         predicted = [self.times.predict(i, rows) for i in range(len(self.rungs))]
+        predicted = [None if p is None else p + extra for p in predicted]
         for i, p in enumerate(predicted):
             if p is not None and p <= self.target:
                 return i, p
@@ -159,7 +178,13 @@ class Elastic:
         rows, rung, predicted = self._pending
         self._pending = None
         self.times.observe(rung, rows, stats.seconds)
-        step = Step(rows, rung, predicted, stats.seconds)
+        seconds = stats.seconds
+        if stats.interval is not None:
+            seconds = stats.interval
+            extra, alpha = max(0.0, stats.interval - stats.seconds), self.times.alpha
+            self.overhead[1] += alpha * (abs(extra - self.overhead[0]) - self.overhead[1])
+            self.overhead[0] += alpha * (extra - self.overhead[0])
+        step = Step(rows, rung, predicted, seconds)
         self.steps.append(step)
         self.on_step(self.rungs[rung], step)
 

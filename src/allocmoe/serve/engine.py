@@ -93,6 +93,9 @@ class StepStats:
     rows: int
     plans: int                  # distinct plans among the rows
     seconds: float = 0.0        # the pass's time by the engine's clock (the model's forward only)
+    # decode: from the end of the previous decode pass to the end of this one, for rows running in both:
+    # their time per output token, with the prefill pass, sampling and retiring between (None: first after idle)
+    interval: float | None = None
 
 
 class Engine:
@@ -135,6 +138,7 @@ class Engine:
         self._draining = False
         self._abort: str | None = None          # set: fail every request with this message at the next step
         self._ids = itertools.count()
+        self._last_decode: float | None = None   # the clock at the end of the last decode pass of a running batch
 
     # -- submitting (any thread) -------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -217,6 +221,8 @@ class Engine:
             if self._abort is not None:
                 self._fail_all(self._abort)
                 return
+            if not self._rows:
+                self._last_decode = None        # the batch was empty: time since then is idle, not a token's
             self._drop_cancelled()
             admitted = self._admit()
             if admitted:
@@ -261,7 +267,11 @@ class Engine:
         started = self.clock()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_kwarg: cache})
-        seconds = self.clock() - started
+        ended = self.clock()
+        seconds, interval = ended - started, None
+        if kind == "decode":
+            interval = ended - self._last_decode if self._last_decode is not None else None
+            self._last_decode = ended
         cache = out["cache"] if "cache" in out else out.past_key_values
         if self.handle is not None:
             row_acts = self.handle.context.row_activations
@@ -270,7 +280,7 @@ class Engine:
         else:
             per_row = None
         if self.on_pass is not None:
-            self.on_pass(StepStats(kind, len(rows), len({r.plan_index for r in rows}), seconds))
+            self.on_pass(StepStats(kind, len(rows), len({r.plan_index for r in rows}), seconds, interval))
         return out.logits[:, -1], cache, per_row
 
     def _prefill(self, admitted: list[Request]) -> None:

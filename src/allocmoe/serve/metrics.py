@@ -45,6 +45,9 @@ class ServerMetrics:
         self.step_seconds = Histogram("allocmoe_step_seconds", "Measured seconds of a forward pass", ["kind"],
                                       buckets=(.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 2, 5),
                                       registry=r)
+        self.tpot = Histogram("allocmoe_time_per_output_token_seconds", "Measured seconds from one decode step "
+                              "to the next of a running batch (prefill passes between included)",
+                              buckets=(.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 2, 5), registry=r)
         # --latency-target-ms: the controller's last decision
         self.elastic_target = Gauge("allocmoe_elastic_target_seconds", "The decode step time the server holds",
                                     registry=r)
@@ -54,7 +57,8 @@ class ServerMetrics:
                                        "Predicted seconds of the last decode step (NaN: nothing measured yet)",
                                        registry=r)
         self.elastic_measured = Gauge("allocmoe_elastic_measured_step_seconds",
-                                      "Measured seconds of the last decode step", registry=r)
+                                      "Measured seconds of the last decode step (its time per output "
+                                      "token; the pass alone after an idle batch)", registry=r)
         self._totals: dict[str, list[float]] = {}
         self._statuses: dict[str, set[str]] = {}          # plan -> statuses counted (to forget them)
 
@@ -78,6 +82,8 @@ class ServerMetrics:
     def on_pass(self, step: StepStats) -> None:
         self.batch_size.labels(step.kind).observe(step.rows)
         self.step_seconds.labels(step.kind).observe(step.seconds)
+        if step.interval is not None:
+            self.tpot.observe(step.interval)
         if step.plans > 1:
             self.mixed_batches.inc()
 
