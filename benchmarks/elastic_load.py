@@ -11,11 +11,14 @@ past the tokenizer's vocabulary are zeroed so generated ids decode (the shape an
 unchanged). The ladder is the full model and uniform plans at 5/6, 2/3, 1/2 and 1/3 of top-6,
 given as --plan files (a random model has no profile worth making).
 
-First the full server (no target) runs one client for `--warmup` requests; its own measured decode
-step time (allocmoe_time_per_output_token_seconds on /metrics) sets T = `--target-factor` x that. Then the full server
-and the elastic server (T) each take the same ramp of concurrent clients (`--levels`, each held
+First a plain server (no target) runs one client for `--warmup` requests; its own measured decode
+step time (allocmoe_time_per_output_token_seconds on /metrics) sets T = `--target-factor` x that.
+Then the elastic server (T) takes a ramp of concurrent clients (`--levels`, each held
 `--level-seconds`; each client sends streaming completions back to back, and a level ends when its
-requests have finished). Per level and server: time per output token p50/p95 over requests
+requests have finished) twice per level, in turn: once with requests that opt out
+(`"allocmoe": {"elastic": false}`: the full model, never stepped down) and once elastic, so the two
+columns see the same machine state (this machine is shared; a server per column, one after the
+other, measured the load of the hour as much as the server). Per level and server: time per output token p50/p95 over requests
 ((last token - first token) / (tokens - 1)), generated tokens/s, and the mean decode budget served
 (measured activations per token over the full model's), side by side; a PNG plot when matplotlib
 is installed. Every request must come back in full; failures are counted and printed.
@@ -94,9 +97,11 @@ def start_server(args, folder: Path, plans: dict[str, Path], target_ms: float | 
     raise SystemExit("the server did not come up within 600 s")
 
 
-def one_request(http: httpx.Client, base: str, prompt: str, max_tokens: int) -> dict:
+def one_request(http: httpx.Client, base: str, prompt: str, max_tokens: int, elastic: bool = True) -> dict:
     body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True, "stream": True,
             "stream_options": {"include_usage": True}}
+    if not elastic:
+        body["allocmoe"] = {"elastic": False}       # the full model, on the same server
     start = time.perf_counter()
     first = last = None
     usage = None
@@ -120,7 +125,7 @@ def one_request(http: httpx.Client, base: str, prompt: str, max_tokens: int) -> 
             "budget": spent["decode_activations_per_token"] / spent["full_activations_per_token"]}
 
 
-def run_level(base: str, clients: int, seconds: float, max_tokens: int) -> dict:
+def run_level(base: str, clients: int, seconds: float, max_tokens: int, elastic: bool) -> dict:
     """`clients` threads, each sending requests back to back until `seconds` have passed."""
     results, lock = [], threading.Lock()
     start = time.perf_counter()
@@ -131,7 +136,7 @@ def run_level(base: str, clients: int, seconds: float, max_tokens: int) -> dict:
             n = 0
             while time.perf_counter() < deadline:
                 try:
-                    result = one_request(http, base, PROMPTS[(i + n) % len(PROMPTS)], max_tokens)
+                    result = one_request(http, base, PROMPTS[(i + n) % len(PROMPTS)], max_tokens, elastic)
                 except httpx.HTTPError as exc:
                     result = {"ok": False, "error": f"{type(exc).__name__}: {exc}"}
                 n += 1
@@ -229,7 +234,6 @@ def main() -> None:
         print(f"building the DeepSeek-V2-Lite shape with {args.num_layers} layers in {folder} ...", flush=True)
         plans = build_folder(folder, args.num_layers)
         log = open(folder / "server.log", "w+")
-        cells: dict[str, list] = {}
         proc, base = start_server(args, folder, plans, None, log)
         try:
             with httpx.Client(timeout=1800) as http:
@@ -242,14 +246,13 @@ def main() -> None:
             target_ms = args.target_factor * step * 1000
             print(f"one-client decode step {step * 1000:.1f} ms (the server's own measure); T = {target_ms:.1f} ms",
                   flush=True)
-            cells["full"] = ramp(base, levels, args, "full")
         finally:
             stop(proc)
         proc, base = start_server(args, folder, plans, target_ms, log)
         try:
             with httpx.Client(timeout=1800) as http:
-                one_request(http, base, PROMPTS[0], args.max_tokens)            # first call: not counted
-            cells["elastic"] = ramp(base, levels, args, "elastic")
+                one_request(http, base, PROMPTS[0], args.max_tokens, elastic=False)   # first call: not counted
+            cells = ramp(base, levels, args)
         finally:
             stop(proc)
     result = {"settings": vars(args), "levels": levels, "one_client_step_ms": step * 1000, "target_ms": target_ms,
@@ -263,15 +266,18 @@ def main() -> None:
     plot(result, out / "elastic_load.png")
 
 
-def ramp(base: str, levels: list[int], args, name: str) -> list[dict]:
-    cells = []
-    for clients in levels:
-        cell = run_level(base, clients, args.level_seconds, args.max_tokens)
-        cells.append(cell)
-        print(f"{name:>8} x{clients:<3} {cell['requests'] - cell['failed']}/{cell['requests']} in full, "
-              f"TPOT p50 {cell['tpot_p50_s'] * 1000:6.1f} ms p95 {cell['tpot_p95_s'] * 1000:6.1f} ms, "
-              f"{cell['tokens_per_s']:6.1f} tok/s, budget {cell['mean_budget']:.2f}"
-              f"{'  errors: ' + '; '.join(cell['errors']) if cell['failed'] else ''}", flush=True)
+def ramp(base: str, levels: list[int], args) -> dict[str, list[dict]]:
+    """Each level twice on the one elastic server: its full-model requests (elastic: false) and its
+    elastic ones, in turn (which goes first alternates), so both see the same machine state."""
+    cells: dict[str, list[dict]] = {"full": [], "elastic": []}
+    for n, clients in enumerate(levels):
+        for name in (("full", "elastic") if n % 2 == 0 else ("elastic", "full")):
+            cell = run_level(base, clients, args.level_seconds, args.max_tokens, elastic=name == "elastic")
+            cells[name].append(cell)
+            print(f"{name:>8} x{clients:<3} {cell['requests'] - cell['failed']}/{cell['requests']} in full, "
+                  f"TPOT p50 {cell['tpot_p50_s'] * 1000:6.1f} ms p95 {cell['tpot_p95_s'] * 1000:6.1f} ms, "
+                  f"{cell['tokens_per_s']:6.1f} tok/s, budget {cell['mean_budget']:.2f}"
+                  f"{'  errors: ' + '; '.join(cell['errors']) if cell['failed'] else ''}", flush=True)
     return cells
 
 
