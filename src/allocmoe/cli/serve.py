@@ -99,6 +99,12 @@ def add_serve_parser(sub) -> None:
                    "gets 503 and is closed (default 256)")
     p.add_argument("--shutdown-timeout", type=float, default=10.0, help="on SIGTERM, seconds running "
                    "generations get to finish before they end with an error (default 10)")
+    p.add_argument("--latency-target-ms", type=float, default=None, help="hold each decode step within this many "
+                   "ms under load: requests that name no plan or budget step down a ladder of plans (full, then "
+                   "5/6, 2/3, 1/2, 1/3 of the budget from --profile, or the --plan files by budget) as the batch "
+                   "grows, chosen from the step times the server measures (default: off)")
+    p.add_argument("--record-plans", action="store_true", help="return the plan each request ran under at each "
+                   "forward pass, as usage.allocmoe.plans ([plan, passes], the prefill pass first)")
     p.add_argument("--log-level", default="info", choices=("critical", "error", "warning", "info", "debug"))
     p.set_defaults(func=cmd_serve)
 
@@ -133,6 +139,12 @@ def cmd_serve(args) -> None:
             raise AllocMoeError(f"{name} must be a number of seconds above 0, got {value}; give e.g. 10")
     if args.max_queue < 0:
         raise AllocMoeError(f"--max-queue must be >= 0, got {args.max_queue}; give 0 or more")
+    target = args.latency_target_ms
+    if target is not None and (not target > 0 or target == float("inf")):
+        raise AllocMoeError(f"--latency-target-ms must be a number of milliseconds above 0, got {target:g}; give e.g. 50")
+    if target is not None and not args.profile and not args.plan:
+        raise AllocMoeError("--latency-target-ms needs a ladder of plans: give --profile PROFILE.json (full, 5/6, 2/3, "
+                            "1/2 and 1/3 of the budget are allocated from it) or the plans as --plan NAME=FILE")
     if args.api_key is not None and not args.api_key.strip():
         raise AllocMoeError("--api-key is empty; give a key or leave the flag out")
     plan_files = _plan_files(args.plan, PLAN_NAME)
@@ -152,7 +164,8 @@ def cmd_serve(args) -> None:
     name = args.served_model_name or (BUILTIN_NAME if args.model in (None, "builtin") else Path(args.model).resolve().name)
     config = ServerConfig(model_name=name, plans=plans, profile=profile, max_batch_size=args.max_batch_size,
                           max_queue=args.max_queue, api_key=args.api_key, chat_template=template,
-                          max_model_len=args.max_model_len, allocate=allocate,
+                          max_model_len=args.max_model_len, allocate=allocate, latency_target_ms=target,
+                          record_plans=args.record_plans,
                           limits=HTTPLimits(max_request_bytes=args.max_request_bytes,
                                             request_timeout=args.request_timeout,
                                             timeout_keep_alive=args.timeout_keep_alive,
@@ -162,6 +175,9 @@ def cmd_serve(args) -> None:
     ids = ", ".join([name] + [f"{name}@{n}" for n in plans])
     print(f"allocmoe: serving {ids} on http://{args.host}:{args.port}/v1"
           f"{' (budgets on request: --profile given)' if profile else ''}", file=sys.stderr)
+    if app.state.server.elastic is not None:
+        ladder = ", ".join(f"{r.name} ({r.activations:g})" for r in app.state.server.elastic.rungs)
+        print(f"allocmoe: elastic: decode steps held within {target:g} ms; ladder {ladder}", file=sys.stderr)
     if args.host not in ("127.0.0.1", "localhost", "::1") and not args.api_key:
         print(f"allocmoe: warning: listening on {args.host} without --api-key: anyone who can reach it may use it",
               file=sys.stderr)

@@ -25,7 +25,7 @@ import threading
 import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator
+from typing import Any, AsyncIterator, Callable
 
 from fastapi import FastAPI, Request as HTTPRequest
 from fastapi.exceptions import RequestValidationError
@@ -35,7 +35,9 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException
 
 from ..errors import AllocMoeError
+from ..core.budget import Budget
 from ..core.plan import Plan
+from .elastic import DEFAULT_LADDER, Elastic, make_ladder
 from .engine import Engine, QueueFull, Request
 from .http import Guard, HTTPLimits
 from .metrics import CONTENT_TYPE, ServerMetrics
@@ -63,6 +65,10 @@ class ServerConfig:
     max_budget_plans: int = 32                      # on-the-fly budget plans kept (least recently used go first)
     allocate: Allocate | None = None                # makes a requested budget's plan (allocmoe.allocate); None: refused
     limits: HTTPLimits = field(default_factory=HTTPLimits)   # body size, timeouts, connections, shutdown
+    latency_target_ms: float | None = None          # decode step time to hold under load by stepping down the ladder
+    ladder: tuple[str, ...] = DEFAULT_LADDER        # budgets below full allocated from `profile` for that ladder
+    record_plans: bool = False                      # return each request's plan per pass (usage.allocmoe.plans)
+    clock: Callable[[], float] = time.perf_counter  # times each pass; tests hand a deterministic one
 
 
 class Server:
@@ -74,9 +80,19 @@ class Server:
         self.registry = PlanRegistry(model, config.model_name, config.plans, config.profile,
                                      max_budget_plans=config.max_budget_plans, on_evict=self.metrics.forget,
                                      allocate=config.allocate)
+        self.elastic: Elastic | None = None
         try:
+            on_pass, choose = self.metrics.on_pass, None
+            if config.latency_target_ms is not None:
+                self.elastic = Elastic(make_ladder(self.registry, config.ladder), config.latency_target_ms / 1000,
+                                       on_step=lambda rung, step: self.metrics.elastic_step(
+                                           rung.activations, step.predicted, step.measured))
+                self.metrics.elastic_target.set(self.elastic.target)
+                self.metrics.elastic_budget.set(self.registry.full_budget)
+                on_pass, choose = self._on_pass, self.elastic.choose_plans
             self.engine = Engine(model, tokenizer, self.registry.handle, config.max_batch_size, config.max_queue,
-                                 on_pass=self.metrics.on_pass, max_model_len=config.max_model_len)
+                                 on_pass=on_pass, max_model_len=config.max_model_len, choose_plans=choose,
+                                 clock=config.clock, record_plans=config.record_plans)
         except BaseException:
             self.registry.close()
             raise
@@ -85,6 +101,30 @@ class Server:
         self.created = int(time.time())
         self._thread: threading.Thread | None = None
         self._deadline: threading.Timer | None = None
+
+    def _on_pass(self, stats) -> None:
+        self.metrics.on_pass(stats)
+        self.elastic.observe(stats)
+
+    def plan_name(self, index: int) -> str:
+        """The name usage and metrics give the plan at `index` in the handle."""
+        return self.registry.names[index] or "full"
+
+    def elastic_floor(self, opts, plan_name: str | None) -> int | None:
+        """The poorest ladder rung a request accepts, or None: it keeps the plan it resolved to."""
+        floor = opts.min_budget if opts is not None else None
+        if floor is not None:
+            if plan_name is not None:
+                raise AllocMoeError("min_budget applies to requests the server may step down under load; this "
+                                    "one names a plan or a budget, which it keeps: drop one of them")
+            if not opts.elastic:
+                raise AllocMoeError("min_budget applies only to elastic requests; drop it or elastic: false")
+            if isinstance(floor, bool):
+                raise AllocMoeError("allocmoe.min_budget must be a number or a string such as '1/2'")
+            floor = Budget.parse(str(floor), self.registry.num_layers, self.registry.k_orig).activations_per_token
+        if self.elastic is None or plan_name is not None or (opts is not None and not opts.elastic):
+            return None
+        return self.elastic.floor(floor)
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self.engine.serve_forever, name="allocmoe-engine", daemon=True)
@@ -218,19 +258,14 @@ async def _generate(server: Server, raw: HTTPRequest, body, prompt, chat: bool):
     index, plan_name = await run_in_threadpool(server.registry.resolve, body.model, opts and opts.plan,
                                                opts and opts.budget, opts.method if opts else "alloc-moe")
     try:
-        limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
-        room = server.engine.context_len - len(prompt_ids)
-        params = SamplingParams(max_new_tokens=limit if limit is not None else max(room, 1),
-                                temperature=body.temperature, top_p=body.top_p, seed=body.seed,
-                                stop=body.stop_strings(), ignore_eos=body.ignore_eos,
-                                logprobs=body.wants_logprobs())
-        updates = _Updates(asyncio.get_running_loop())
-        request = server.engine.submit(Request(prompt_ids, params, plan_index=index, on_update=updates))
+        elastic, request, updates = _submit(server, body, prompt_ids, index, plan_name)
     except BaseException:
         server.registry.release(index)
         raise
     model_id = server.config.model_name if plan_name is None else f"{server.config.model_name}@{plan_name}"
-    reply = Reply(chat, model_id, server.registry.full_budget, plan_name, server.tokenizer)
+    if elastic is not None:
+        plan_name = "elastic"           # usage and metrics: the plan changed with the load
+    reply = Reply(chat, model_id, server.registry.full_budget, plan_name, server.tokenizer, server.plan_name)
     ended = False
 
     def end(status: str) -> None:          # once per request, whichever way it ends
@@ -264,6 +299,21 @@ async def _generate(server: Server, raw: HTTPRequest, body, prompt, chat: bool):
         return reply.whole(text, request)
     finally:
         end(status)
+
+
+def _submit(server: Server, body, prompt_ids: list[int], index, plan_name):
+    """Queue one request on the engine: (its elastic floor or None, the request, its updates)."""
+    elastic = server.elastic_floor(body.allocmoe, plan_name)
+    limit = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    room = server.engine.context_len - len(prompt_ids)
+    params = SamplingParams(max_new_tokens=limit if limit is not None else max(room, 1),
+                            temperature=body.temperature, top_p=body.top_p, seed=body.seed,
+                            stop=body.stop_strings(), ignore_eos=body.ignore_eos,
+                            logprobs=body.wants_logprobs())
+    updates = _Updates(asyncio.get_running_loop())
+    request = server.engine.submit(Request(prompt_ids, params, plan_index=index, on_update=updates,
+                                           elastic=elastic))
+    return elastic, request, updates
 
 
 async def _unless_disconnected(work, raw: HTTPRequest):

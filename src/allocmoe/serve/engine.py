@@ -53,6 +53,9 @@ class Request:
     prompt_ids: list[int]
     params: SamplingParams
     plan_index: int = 0                         # which installed plan routes this request's row
+    # an elastic request (--latency-target-ms): the engine's `choose_plans` may change plan_index at every
+    # pass, down to this rung of the server's ladder (its min_budget); None: the request keeps its plan
+    elastic: int | None = None
     on_update: Callable[["Request"], None] | None = None   # called (engine thread) after each token and at the end
     id: str = ""
     # -- filled in by the engine --------------------------------------------------------------
@@ -68,6 +71,7 @@ class Request:
     decode_activations: float = 0.0
     decode_tokens: int = 0
     times: dict[str, float] = field(default_factory=dict)   # submitted, first_token, finished (perf_counter)
+    plan_steps: list[list[int]] | None = None   # with record_plans: [plan index, passes] run-length, prefill first
 
     @property
     def finished(self) -> bool:
@@ -88,6 +92,10 @@ class StepStats:
     kind: str                   # "prefill" | "decode"
     rows: int
     plans: int                  # distinct plans among the rows
+    seconds: float = 0.0        # the pass's time by the engine's clock (the model's forward only)
+    # decode: from the end of the previous decode pass to the end of this one, for rows running in both:
+    # their time per output token, with the prefill pass, sampling and retiring between (None: first after idle)
+    interval: float | None = None
 
 
 class Engine:
@@ -96,11 +104,16 @@ class Engine:
 
     def __init__(self, model, tokenizer, handle: PlanHandle | None = None, max_batch_size: int = 8,
                  max_queue: int = 64, on_pass: Callable[[StepStats], None] | None = None,
-                 max_model_len: int | None = None):
+                 max_model_len: int | None = None,
+                 choose_plans: Callable[[list[Request], str], None] | None = None,
+                 clock: Callable[[], float] = time.perf_counter, record_plans: bool = False):
         if max_batch_size < 1 or max_queue < 0:
             raise AllocMoeError("max batch size must be >= 1 and max queue >= 0")
         self.model, self.tokenizer, self.handle = model, tokenizer, handle
         self.max_batch_size, self.max_queue, self.on_pass = max_batch_size, max_queue, on_pass
+        self.choose_plans = choose_plans    # called before each pass with (rows, "prefill" | "decode"): may set plan_index
+        self.clock = clock                  # times each pass (StepStats.seconds); tests hand a deterministic one
+        self.record_plans = record_plans    # keep each request's plan per pass (Request.plan_steps)
         model_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
         if max_model_len is not None and not 2 <= max_model_len <= model_len:
             raise AllocMoeError(f"max model len {max_model_len} must lie between 2 and the model's context "
@@ -125,6 +138,7 @@ class Engine:
         self._draining = False
         self._abort: str | None = None          # set: fail every request with this message at the next step
         self._ids = itertools.count()
+        self._last_decode: float | None = None   # the clock at the end of the last decode pass of a running batch
 
     # -- submitting (any thread) -------------------------------------------------------------
     def check_fits(self, prompt_len: int, max_new_tokens: int) -> None:
@@ -149,6 +163,8 @@ class Engine:
             request.id = request.id or f"req-{next(self._ids)}"
             request.text = IncrementalText(self.tokenizer, request.params.stop)
             request.generator = request.params.generator()
+            if self.record_plans:
+                request.plan_steps = []
             request.times["submitted"] = time.perf_counter()
             self._waiting.append(request)
             self._lock.notify_all()
@@ -205,6 +221,8 @@ class Engine:
             if self._abort is not None:
                 self._fail_all(self._abort)
                 return
+            if not self._rows:
+                self._last_decode = None        # the batch was empty: time since then is idle, not a token's
             self._drop_cancelled()
             admitted = self._admit()
             if admitted:
@@ -235,10 +253,25 @@ class Engine:
 
     def _forward(self, ids, mask, positions, rows: list[Request], kind: str, cache=None):
         """One pass; returns (last-position logits [B, V], the cache, activations per row [B])."""
+        if self.choose_plans is not None:
+            self.choose_plans(rows, kind)
         if self.handle is not None:
             self.handle.context.row_plans = [r.plan_index for r in rows]
+        for request in rows:
+            steps = request.plan_steps
+            if steps is not None:
+                if steps and steps[-1][0] == request.plan_index:
+                    steps[-1][1] += 1
+                else:
+                    steps.append([request.plan_index, 1])
+        started = self.clock()
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                          logits_to_keep=1, **{self._cache_kwarg: cache})
+        ended = self.clock()
+        seconds, interval = ended - started, None
+        if kind == "decode":
+            interval = ended - self._last_decode if self._last_decode is not None else None
+            self._last_decode = ended
         cache = out["cache"] if "cache" in out else out.past_key_values
         if self.handle is not None:
             row_acts = self.handle.context.row_activations
@@ -247,7 +280,7 @@ class Engine:
         else:
             per_row = None
         if self.on_pass is not None:
-            self.on_pass(StepStats(kind, len(rows), len({r.plan_index for r in rows})))
+            self.on_pass(StepStats(kind, len(rows), len({r.plan_index for r in rows}), seconds, interval))
         return out.logits[:, -1], cache, per_row
 
     def _prefill(self, admitted: list[Request]) -> None:

@@ -42,6 +42,23 @@ class ServerMetrics:
                               registry=r)
         self.latency = Histogram("allocmoe_e2e_request_latency_seconds", "Submit to last token", ["plan"],
                                  registry=r)
+        self.step_seconds = Histogram("allocmoe_step_seconds", "Measured seconds of a forward pass", ["kind"],
+                                      buckets=(.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 2, 5),
+                                      registry=r)
+        self.tpot = Histogram("allocmoe_time_per_output_token_seconds", "Measured seconds from one decode step "
+                              "to the next of a running batch (prefill passes between included)",
+                              buckets=(.005, .01, .025, .05, .075, .1, .15, .2, .3, .5, .75, 1, 2, 5), registry=r)
+        # --latency-target-ms: the controller's last decision
+        self.elastic_target = Gauge("allocmoe_elastic_target_seconds", "The decode step time the server holds",
+                                    registry=r)
+        self.elastic_budget = Gauge("allocmoe_elastic_activations_per_token",
+                                    "Planned activations per token of the ladder rung in force", registry=r)
+        self.elastic_predicted = Gauge("allocmoe_elastic_predicted_step_seconds",
+                                       "Predicted seconds of the last decode step (NaN: nothing measured yet)",
+                                       registry=r)
+        self.elastic_measured = Gauge("allocmoe_elastic_measured_step_seconds",
+                                      "Measured seconds of the last decode step (its time per output "
+                                      "token; the pass alone after an idle batch)", registry=r)
         self._totals: dict[str, list[float]] = {}
         self._statuses: dict[str, set[str]] = {}          # plan -> statuses counted (to forget them)
 
@@ -64,8 +81,16 @@ class ServerMetrics:
 
     def on_pass(self, step: StepStats) -> None:
         self.batch_size.labels(step.kind).observe(step.rows)
+        self.step_seconds.labels(step.kind).observe(step.seconds)
+        if step.interval is not None:
+            self.tpot.observe(step.interval)
         if step.plans > 1:
             self.mixed_batches.inc()
+
+    def elastic_step(self, activations: float, predicted: float | None, measured: float) -> None:
+        self.elastic_budget.set(activations)
+        self.elastic_predicted.set(float("nan") if predicted is None else predicted)
+        self.elastic_measured.set(measured)
 
     def finished(self, plan: str, prompt_tokens: int, new_tokens: int, activations: float, routed: int,
                  ttft: float | None, latency: float | None) -> None:

@@ -83,6 +83,9 @@ class AllocMoeOptions(_Strict):
     budget: float | BudgetText | None = Field(None, description="allocate a plan for this budget from --profile: "
                                        "a fraction (0.5, '1/2', '50%') or a count of activations per token")
     method: Literal[ON_THE_FLY_METHODS] = Field("alloc-moe", description="allocation method for `budget`")  # type: ignore[valid-type]
+    min_budget: float | BudgetText | None = Field(None, description="on an elastic server (--latency-target-ms): "
+                                                  "the least budget this request accepts under load")
+    elastic: bool = Field(True, description="false: run at the full model even when an elastic server is busy")
 
 
 class StreamOptions(_Strict):

@@ -6,14 +6,16 @@ from __future__ import annotations
 import json
 import time
 import uuid
-from typing import Any
+from typing import Any, Callable
 
 from .engine import Request
 
 
 class Reply:
-    def __init__(self, chat: bool, model_id: str, full: float, plan_name: str | None, tokenizer=None):
+    def __init__(self, chat: bool, model_id: str, full: float, plan_name: str | None, tokenizer=None,
+                 name_of: Callable[[int], str] = str):
         self.chat, self.model_id, self.full, self.plan_name = chat, model_id, full, plan_name
+        self.name_of = name_of          # a plan's name from its index in the handle (recorded plans)
         self.tokenizer = tokenizer
         self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -24,13 +26,16 @@ class Reply:
 
     def usage(self, request: Request) -> dict[str, Any]:
         new = len(request.generated)
-        return {"prompt_tokens": len(request.prompt_ids), "completion_tokens": new,
-                "total_tokens": len(request.prompt_ids) + new,
-                "allocmoe": {"plan": self.plan_name or "full",
-                             "activations_per_token": request.activations_per_token(),
-                             "full_activations_per_token": self.full,
-                             "prefill_activations_per_token": request.activations_per_token("prefill"),
-                             "decode_activations_per_token": request.activations_per_token("decode")}}
+        usage = {"prompt_tokens": len(request.prompt_ids), "completion_tokens": new,
+                 "total_tokens": len(request.prompt_ids) + new,
+                 "allocmoe": {"plan": self.plan_name or "full",
+                              "activations_per_token": request.activations_per_token(),
+                              "full_activations_per_token": self.full,
+                              "prefill_activations_per_token": request.activations_per_token("prefill"),
+                              "decode_activations_per_token": request.activations_per_token("decode")}}
+        if request.plan_steps is not None:      # --record-plans: [plan, passes], the prefill pass first
+            usage["allocmoe"]["plans"] = [[self.name_of(index), count] for index, count in request.plan_steps]
+        return usage
 
     def whole(self, text: str, request: Request) -> dict[str, Any]:
         choice = ({"index": 0, "message": {"role": "assistant", "content": text}} if self.chat
