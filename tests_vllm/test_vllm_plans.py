@@ -40,7 +40,7 @@ def make_plans(model, tok, folder: Path) -> dict[str, Path]:
 
     text, _ = read_text(None, "calibration")
     files = {name: folder / f"{name}.json" for name in ("asc", "at", "topp", "sub", "uni", "dist")}
-    calibration = {"calib_max_tokens": 1024, "seq_len": 64, "progress": False}
+    calibration = {"calib_tokens": 1024, "seq_len": 64, "progress": False}
     allocate(3, "ascending", model=model).save(files["asc"])
     allocate(0.75, "alloc-t", model=model).save(files["at"])
     allocate(0.75, "top-p", model=model, tokenizer=tok, calib_text=text[:20000], config=calibration).save(files["topp"])
