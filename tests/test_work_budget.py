@@ -61,3 +61,82 @@ def test_the_issues_numbers():
     assert standin_equivalent(2048, 3 * 2048 * 1408, 8) == pytest.approx(17 / (3 * 1408 + 1))
     assert sum(layer_cost(3, 6, builtin) for _ in range(6)) == pytest.approx(18 + 18 * 17 / 193)
     assert layer_cost(3, 6, None) == 3
+
+
+TEXT = " ".join(f"word{i % 37} and thing{i % 11}." for i in range(400))
+CFG = {"seq_len": 32, "calib_tokens": 256, "windows_per_pass": 4, "progress": False}
+
+
+@pytest.fixture(scope="module")
+def qwen(tok):
+    return build_tiny("qwen3_moe", vocab_size=len(tok)), tok
+
+
+@pytest.mark.parametrize("method", ["uniform", "alloc-t", "descending"])
+def test_a_substitute_plan_pays_its_standins_from_the_budget(qwen, method, tmp_path):
+    """Hand count: qwen3_moe tiny (3 MoE layers, K 4, H 32, I 16), rank 2: u = (2*32*2 + 32) / (3*32*16 + 32)
+    = 160 / 1568 per skipped slot; at B = 6 the activations a may spend satisfy a + (12 - a) u <= 6."""
+    from allocmoe import Plan, allocate
+
+    model, tok = qwen
+    u = 160 / 1568
+    plan = allocate("0.5", method, model=model, tokenizer=tok, calib_text=TEXT,
+                    config={**CFG, "substitute": True, "substitute_rank": 2})
+    ks = {i: p.k for i, p in plan.layers.items()}
+    cost = plan.cost()
+    for index, k in ks.items():
+        assert cost["layers"][index] == pytest.approx(k + (4 - k) * u)
+    activations = sum(ks.values())
+    assert cost["total"] == pytest.approx(activations + (12 - activations) * u)
+    assert cost["total"] <= 6 + 1e-9 and plan.budget == 6
+    most = (6 - 12 * u) / (1 - u)                   # 5.5: the activations the stand-ins leave
+    assert activations <= most + 1e-9 and activations > most - (1 if method != "alloc-t" else 1e-6)
+    plan.save(tmp_path / "p.json")
+    loaded = Plan.load(tmp_path / "p.json")
+    assert loaded.cost()["total"] == pytest.approx(cost["total"]) and loaded.standins == pytest.approx(plan.standins)
+    with allocmoe_apply(model, loaded) as handle:
+        windows = torch.randint(0, len(tok), (2, 32))
+        model(windows)
+        measured = loaded.measured_cost(handle.layer_activations())
+    # alloc-t rounds a fractional pool down per pass (T x (k - k_base) activations): never above the stated cost
+    assert cost["total"] - 0.05 <= measured <= cost["total"] + 1e-9
+
+
+def allocmoe_apply(model, plan):
+    from allocmoe import apply_plan
+
+    return apply_plan(model, plan)
+
+
+def test_a_budget_too_small_for_one_expert_and_its_standins_is_refused_in_one_line(qwen):
+    from allocmoe import AllocMoeError, allocate
+
+    model, tok = qwen
+    with pytest.raises(AllocMoeError, match="cannot hold the substitute"):
+        allocate("3", "uniform", model=model, tokenizer=tok, calib_text=TEXT,
+                 config={**CFG, "substitute": True, "substitute_rank": 2})
+
+
+def test_a_plan_file_whose_cost_passes_its_budget_is_refused(qwen, tmp_path):
+    import json
+
+    from allocmoe import AllocMoeError, Plan, allocate
+
+    model, tok = qwen
+    plan = allocate("0.5", "uniform", model=model, tokenizer=tok, calib_text=TEXT,
+                    config={**CFG, "substitute": True, "substitute_rank": 2})
+    plan.save(tmp_path / "p.json")
+    data = json.loads((tmp_path / "p.json").read_text())
+    data["budget"].update({"activations_per_token": 5.0, "fraction": 5 / 12})
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    with pytest.raises(AllocMoeError, match="cost.total .* is above budget"):
+        Plan.load(tmp_path / "p.json")
+    del data["cost"]                                  # an older plan: loads, its stand-ins' cost not known
+    data["budget"].update({"activations_per_token": 6.0, "fraction": 0.5})
+    (tmp_path / "p.json").write_text(json.dumps(data))
+    old = Plan.load(tmp_path / "p.json")
+    assert old.cost() is None and "not recorded" in old.cost_text()
+    from allocmoe.routing.layout import check_plan
+
+    check_plan(old, model)                            # a model at hand fills it in
+    assert old.cost()["total"] == pytest.approx(plan.cost()["total"])

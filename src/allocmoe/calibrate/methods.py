@@ -34,12 +34,12 @@ import torch
 from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
-from ..core.budget import Budget
+from ..core.budget import Budget, expert_budget, standin_equivalent
 from ..core.config import Config, check_counts, checked_config, replaced
 from ..errors import AllocMoeError
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.plan import Plan, check_fingerprint
-from ..routing.layout import model_fingerprint
+from ..routing.layout import expert_weights, model_fingerprint, standin_costs
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
 
@@ -326,12 +326,20 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
             budget = Budget.parse(budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
         return _auto(budget, profile, model, _calibration_windows(model, tokenizer, calib_text, config), config,
                      refine_memo)
-    plan = _allocate_plain(budget, method, profile, model, tokenizer, calib_text, config)
-    if not (substitute or refine):
-        return plan
+    if not substitute:
+        plan = _allocate_plain(budget, method, profile, model, tokenizer, calib_text, config)
+        return _refined(plan, model, _calibration_windows(model, tokenizer, calib_text, config), config, refine,
+                        refine_memo) if refine else plan
+    # the stand-ins are paid from the same budget: the activations get what they leave (core/budget.py)
+    fingerprint = _fingerprint(profile, model)
+    parsed = budget if isinstance(budget, Budget) else Budget.parse(budget, fingerprint["num_moe_layers"],
+                                                                    fingerprint["k_orig"])
+    experts = expert_budget(parsed, standin_per_slot(model, config), fingerprint["k_orig"])
+    plan = _allocate_plain(experts, method, profile, model, tokenizer, calib_text, config)
+    plan.budget = parsed.activations_per_token
     windows = _calibration_windows(model, tokenizer, calib_text, config)
-    if substitute:
-        plan.means = _measure_means(model, windows, config)
+    plan.means = _measure_means(model, windows, config)
+    plan.standins = standin_costs(model, plan.means)
     return _refined(plan, model, windows, config, refine, refine_memo) if refine else plan
 
 
@@ -401,6 +409,12 @@ def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
     with apply_plan(model, plan):
         return evaluate_perplexity(model, None, "", {"windows_per_pass": config.windows_per_pass, "progress": False},
                                    windows=windows).perplexity
+
+
+def standin_per_slot(model, config: AllocateConfig) -> float:
+    """What one of `config`'s stand-ins (rank substitute_rank) costs per skipped slot on `model`, in
+    activation-equivalents (core/budget.py)."""
+    return standin_equivalent(int(model.config.hidden_size), expert_weights(model), config.substitute_rank)
 
 
 def _measure_means(model, windows, config: AllocateConfig):
@@ -510,6 +524,14 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
     means = _measure_means(model, windows, config) if substitute else None
     modes = [False, True] if substitute and config.substitute is None else [bool(substitute)]
+    budgets = {False: budget}
+    if substitute:        # trials with stand-ins pay for them from B: their activations get what is left
+        try:
+            budgets[True] = expert_budget(budget, standin_per_slot(model, config), model_fingerprint(model)["k_orig"])
+        except AllocMoeError:
+            if config.substitute:
+                raise
+            modes = [False]   # B cannot hold one expert per layer and their stand-ins: try without
     trials = []
     with tqdm(total=len(candidates) * len(modes), desc="auto", unit="trial", disable=not config.progress) as bar:
         for method, k_base in candidates:
@@ -519,8 +541,10 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
             for with_means in modes:
                 bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else "")
                                     + (" +substitute" if with_means else ""))
-                plan = allocate(budget, method, profile=profile, model=model, config=trial_config)
+                plan = allocate(budgets[with_means], method, profile=profile, model=model, config=trial_config)
+                plan.budget = budget.activations_per_token
                 plan.means = means if with_means else None
+                plan.standins = standin_costs(model, means) if with_means else {}
                 ppl = _calib_ppl(model, plan, windows, config)
                 trials.append({"method": method, "k_base": k_base, "substitute": with_means,
                                "calibration_perplexity": round(ppl, 6), "plan": plan})

@@ -291,8 +291,8 @@ def _refine_memo(args, config, run: _AllocateRun, profile, name):
 def _say_plan(args, plan) -> None:
     """The lines on stderr that say what was written (and, for a target, what budget met it)."""
     ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
-    print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",
-          file=sys.stderr)
+    print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}; "
+          f"{plan.cost_text()}", file=sys.stderr)
     if args.target_ppl is not None:
         found = plan.provenance["target"]
         print(f"target {found['perplexity']:.4g} (full model {found['full_calibration_perplexity']:.4g}): the "

@@ -438,6 +438,11 @@ def _say_bench(result: dict) -> None:
           f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "
           f"at {result['measured_activations_per_token']:.2f} of "
           f"{result['model']['num_moe_layers'] * result['model']['k_orig']} activations/token", file=sys.stderr)
+    stated = result["plan"].get("cost")
+    if stated is not None:
+        print(f"the plan's stated cost: {stated['total']:.4g} per token = {stated['activations']:.4g} activations + "
+              f"{stated['standins']:.3g} in stand-ins (B = {result['plan']['budget']:g}); measured "
+              f"{result['measured_cost_per_token']:.4g}", file=sys.stderr)
     if "substitute_cost" in result:
         cost = result["substitute_cost"]
         print(f"substitute (rank {cost['decode']['rank']}): prefill {cost['prefill']['ratio']:.3f}x, decode "

@@ -138,3 +138,19 @@ def plan_costs(k_per_layer: dict[int, float | None], k_orig: int,
     `standins` holds the per-slot stand-in cost of each layer that has one."""
     return {index: None if k is None else layer_cost(k, k_orig, standins.get(index))
             for index, k in k_per_layer.items()}
+
+
+def expert_budget(budget: Budget, standin: float, k_orig: int, what: str = "the substitute") -> Budget:
+    """The activations a plan with a stand-in of `standin` activation-equivalents on every layer may
+    spend so that its total stays within B: a + (L x K_orig - a) x u <= B, so a <= (B - L K u) / (1 - u)
+    (whatever the layers' split: the total depends on the activations' sum alone). Rounded down at
+    the 9th decimal, so the total never passes B. One line if even one expert per layer will not fit."""
+    slots = budget.num_layers * k_orig
+    most = (budget.activations_per_token - slots * standin) / (1.0 - standin)
+    most = min(math.floor(most * 1e9 + 1e-6) / 1e9, float(budget.full))
+    least = budget.num_layers * (1 + (k_orig - 1) * standin)
+    if most < budget.num_layers:
+        raise AllocMoeError(f"budget {budget.activations_per_token:g} cannot hold {what}: one expert per MoE layer "
+                            f"plus stand-ins for the other {k_orig - 1} costs {least:.4g} activations per token; "
+                            f"give at least {least:.4g} ({least / budget.full:.3g}), or leave the substitute out")
+    return Budget(most, budget.full, budget.num_layers)

@@ -29,13 +29,24 @@ def hidden_size(model) -> int | None:
 
 
 def check_plan(plan: Plan, model) -> None:
-    """Refuse `plan` unless it was made for `model` (a loaded model or its weightless skeleton)."""
+    """Refuse `plan` unless it was made for `model` (a loaded model or its weightless skeleton); a plan
+    that does not record its stand-ins' cost gets it from the model (`with_standin_costs`)."""
     plan.check_model(model_fingerprint(model), hidden_size(model))
+    with_standin_costs(plan, model)
 
 
 def load_plan(path: str | os.PathLike, model) -> Plan:
-    """Load a plan file and check it was made for `model`."""
-    return Plan.load(path, model_fingerprint(model), hidden_size(model))
+    """Load a plan file and check it was made for `model`; a plan written before its stand-ins' cost was
+    recorded gets it from the model (`with_standin_costs`)."""
+    return with_standin_costs(Plan.load(path, model_fingerprint(model), hidden_size(model)), model)
+
+
+def with_standin_costs(plan: Plan, model) -> Plan:
+    """`plan` with `standins` (each stand-in's cost per skipped slot) read off `model` where the plan does
+    not record them; the plan itself, changed in place."""
+    if plan.standins is None and plan.means is not None:
+        plan.standins = standin_costs(model, plan.means)
+    return plan
 
 
 def expert_weights(model) -> int:
