@@ -140,3 +140,89 @@ def test_a_plan_file_whose_cost_passes_its_budget_is_refused(qwen, tmp_path):
 
     check_plan(old, model)                            # a model at hand fills it in
     assert old.cost()["total"] == pytest.approx(plan.cost()["total"])
+
+
+# -- the (k, stand-in) DP against brute force ----------------------------------------------------------
+
+def brute_force_menu(losses, costs, budget):
+    """The least summed loss over every choice of one option per layer whose summed cost fits."""
+    import itertools
+
+    best = None
+    for choice in itertools.product(*[range(len(row)) for row in losses]):
+        cost = sum(costs[i][j] for i, j in enumerate(choice))
+        if cost <= budget + 1e-9:
+            loss = sum(losses[i][j] for i, j in enumerate(choice))
+            best = loss if best is None else min(best, loss)
+    return best
+
+
+def pair_menu(rng, num_layers, k_orig, u):
+    """Random (k, stand-in) menus: options k = 1..K without, then k = 1..K with a stand-in of cost u per
+    skipped slot; losses fall with k, and a stand-in helps by a random amount (or hurts a little)."""
+    losses, costs = [], []
+    for _ in range(num_layers):
+        plain = sorted((rng.random() * 10 for _ in range(k_orig)), reverse=True)
+        helped = [p - rng.uniform(-0.5, 2.0) * (k_orig - k) / k_orig for k, p in enumerate(plain, 1)]
+        losses.append(plain + helped)
+        costs.append([float(k) for k in range(1, k_orig + 1)] + [k + (k_orig - k) * u for k in range(1, k_orig + 1)])
+    return losses, costs
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_the_pair_dp_matches_brute_force_and_never_exceeds_the_budget(seed):
+    import random
+
+    from allocmoe.core.solver import solve_menu_allocation
+
+    rng = random.Random(seed)
+    num_layers, k_orig = rng.randint(1, 4), rng.randint(1, 4)
+    u = rng.choice([0.0, 0.01, 17 / 193, 0.35, rng.random()])
+    losses, costs = pair_menu(rng, num_layers, k_orig, u)
+    cheapest = sum(min(row) for row in costs)
+    for budget in [cheapest, rng.uniform(cheapest, num_layers * k_orig), num_layers * k_orig,
+                   round(rng.uniform(cheapest, num_layers * k_orig))]:
+        if budget < cheapest:
+            continue
+        choice = solve_menu_allocation(losses, costs, budget)
+        spent = sum(costs[i][j] for i, j in enumerate(choice))
+        assert spent <= budget + 1e-9
+        assert sum(losses[i][j] for i, j in enumerate(choice)) == pytest.approx(
+            brute_force_menu(losses, costs, budget), abs=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_without_standins_the_pair_dp_is_alloc_ls_dp(seed):
+    import random
+
+    from allocmoe.core.solver import solve_allocation, solve_menu_allocation
+
+    rng = random.Random(100 + seed)
+    num_layers, k_orig = rng.randint(1, 6), rng.randint(1, 6)
+    table = [[rng.random() for _ in range(k_orig)] for _ in range(num_layers)]
+    costs = [[float(k) for k in range(1, k_orig + 1)]] * num_layers
+    budget = rng.randint(num_layers, num_layers * k_orig)
+    ks = solve_allocation(table, budget)
+    choice = solve_menu_allocation(table, costs, budget)
+    assert sum(table[i][j] for i, j in enumerate(choice)) == pytest.approx(
+        sum(table[i][k - 1] for i, k in enumerate(ks)), abs=1e-12)
+
+
+def test_the_pair_dp_is_fast_at_deepseek_v2_lite_size():
+    import random
+    import time
+
+    from allocmoe.core.solver import solve_menu_allocation
+
+    losses, costs = pair_menu(random.Random(0), 26, 6, 17 / (3 * 1408 + 1))
+    start = time.perf_counter()
+    choice = solve_menu_allocation(losses, costs, 78)
+    assert time.perf_counter() - start < 5 and sum(costs[i][j] for i, j in enumerate(choice)) <= 78 + 1e-9
+
+
+def test_the_pair_dp_refuses_a_budget_below_the_cheapest_menu():
+    from allocmoe import AllocMoeError
+    from allocmoe.core.solver import solve_menu_allocation
+
+    with pytest.raises(AllocMoeError, match="below 2"):
+        solve_menu_allocation([[1.0, 0.5], [1.0, 0.5]], [[1.0, 1.5], [1.0, 1.5]], 1.5)
