@@ -56,9 +56,10 @@ JOBS = {
     "lexi": (_allocation("lexi"), "lexi", 3 * 4),                 # a pass per layer and k
     "top-p": (_allocation("top-p"), "top-p", 1),                  # batches of the calibration pass
     "naee": (_allocation("naee"), "naee", 1),
-    # alloc-l, alloc-moe and alloc-t at k_base 0, 1, 2; each with and without the substitute (at 3/4: at 1/2 this
-    # model's rank-8 stand-ins, 0.35 of an expert each, leave too little for one expert per layer)
-    "auto": (_allocation("auto", "0.75"), "auto", 14),
+    # alloc-l, alloc-moe and alloc-t at k_base 0, 1, 2, each with and without the substitute, and the (k, stand-in)
+    # DP's allocation as alloc-l and alloc-moe at k_base 0, 1, 2 (at 3/4: at 1/2 this model's rank-8 stand-ins, 0.35
+    # of an expert each, leave too little for one expert per layer)
+    "auto": (_allocation("auto", "0.75"), "auto", 14 + 4),
     "profile": (_profile, "profile", 3 * 4 - 2),                  # cells
     "sweep": (_sweep, "sweep", 2),                                # rows
     "analyze": (_analyze, "perplexity", 1),                       # a bar per pass (cleared when done)

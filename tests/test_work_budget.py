@@ -226,3 +226,62 @@ def test_the_pair_dp_refuses_a_budget_below_the_cheapest_menu():
 
     with pytest.raises(AllocMoeError, match="below 2"):
         solve_menu_allocation([[1.0, 0.5], [1.0, 0.5]], [[1.0, 1.5], [1.0, 1.5]], 1.5)
+
+
+# -- the (k, stand-in) profile and auto's budget ---------------------------------------------------
+
+def test_the_pair_profile_is_each_cell_applied_by_hand(qwen):
+    from allocmoe import apply_plan, model_fingerprint, static_plan
+    from allocmoe.calibrate.means import measure_expert_means
+    from allocmoe.calibrate.pairs import pair_profile
+    from allocmoe.scoring import evaluate_perplexity, tokenize_windows
+
+    model, tok = qwen
+    windows = tokenize_windows(tok, TEXT, 32, 256)
+    means = measure_expert_means(model, windows, 4, progress=False, rank=2)
+    table = pair_profile(model, windows, means, 4)
+    fp = model_fingerprint(model)
+    L, K = fp["num_moe_layers"], fp["k_orig"]
+    for i, index in enumerate(fp["moe_layers"]):
+        for k in range(1, K + 1):
+            plan = static_plan(model, [K] * i + [k] + [1] * (L - i - 1))
+            with apply_plan(model, plan):
+                plain = evaluate_perplexity(model, None, "", {"progress": False}, windows=windows).perplexity
+            plan.means = means.restricted([index])
+            with apply_plan(model, plan):
+                standin = evaluate_perplexity(model, None, "", {"progress": False}, windows=windows).perplexity
+            assert table["plain"][i][k - 1] == pytest.approx(plain, rel=1e-9)
+            assert table["standin"][i][k - 1] == pytest.approx(standin, rel=1e-9)
+    assert table["cells"] == (L * K - (L - 1)) + L * (K - 1)
+    assert pair_profile(model, windows, means, 4) is table              # memoised for the next budget
+
+
+def hand_cost(plan, u=160 / 1568, k_orig=4):
+    """A plan's activations plus its stand-ins, counted from its own k and means (rank 2 on the tiny qwen)."""
+    with_standin = set(plan.means.means) if plan.means is not None else set()
+    return sum(p.k + ((k_orig - p.k) * u if i in with_standin else 0) for i, p in plan.layers.items())
+
+
+@pytest.mark.parametrize("budget", ["0.5", "7", "0.75", "11"])
+def test_auto_never_spends_past_the_budget_in_total(qwen, budget, monkeypatch):
+    """Every plan auto scores (its trials, every refinement step) and the plan it keeps cost at most B in
+    activations plus stand-ins, counted by hand from each plan's own k and means."""
+    from allocmoe import allocate
+    from allocmoe.calibrate import methods
+    from allocmoe.calibrate.profile import profile_sensitivity
+    from allocmoe.core.budget import Budget
+
+    model, tok = qwen
+    profile = profile_sensitivity(model, tok, TEXT, {"seq_len": 32, "calib_tokens": 256, "progress": False})
+    scored, calib_ppl = [], methods._calib_ppl
+    monkeypatch.setattr(methods, "_calib_ppl", lambda m, p, w, c: (scored.append(hand_cost(p)), calib_ppl(m, p, w, c))[1])
+    plan = allocate(budget, "auto", profile=profile, model=model, tokenizer=tok, calib_text=TEXT,
+                    config={**CFG, "substitute_rank": 2, "refine": 6})
+    B = Budget.parse(budget, 3, 4).activations_per_token
+    spent = hand_cost(plan)
+    assert spent <= B + 1e-9 and plan.cost()["total"] == pytest.approx(spent)
+    assert len(scored) > 10 and max(scored) <= B + 1e-9
+    trials = plan.provenance["details"]["trials"]
+    assert any(t.get("menu") for t in trials) and len(trials) > 1
+    assert plan.provenance["details"]["refine"]["start_calibration_perplexity"] == pytest.approx(
+        min(t["calibration_perplexity"] for t in trials))

@@ -61,7 +61,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     autos = [r for r in rows if r.get("auto_choice")]
     if autos:
         lines += ["", "auto chose: " + "; ".join(
-            f"B={r['budget_activations']:g}: {r['auto_choice']['method']} (k_base={r['auto_choice']['k_base']})"
+            f"B={r['budget_activations']:g}: {r['auto_choice']['method']} (k_base={r['auto_choice']['k_base']}"
+            + (", stand-ins where the (k, stand-in) DP put them" if r["auto_choice"].get("menu")
+               else ", stand-ins on every layer" if r["auto_choice"].get("substitute") else "") + ")"
             for r in autos)]
     return "\n".join(lines) + "\n"
 
