@@ -31,7 +31,8 @@ def add_parsers(sub) -> None:
     add_model_flags(p)
     p.add_argument("--profile", default=None, help="profile JSON (needed by alloc-moe, alloc-l, auto)")
     p.add_argument("--calib-text", default=None, help="calibration text for top-p, naee, auto, profiling")
-    p.add_argument("--budget", default=None, help="fraction of full (0.5, 1/2, 50%%) or count (78)")
+    p.add_argument("--budget", default=None, help="fraction of full (0.5, 1/2, 50%%) or count (78) of activations per token; with stand-ins "
+                   "(--substitute, auto) it bounds activations plus their activation-equivalents")
     p.add_argument("--target-ppl", default=None, metavar="TARGET",
                    help="instead of --budget: the smallest budget whose plan stays within this calibration "
                         "perplexity, relative to the full model (5%%) or absolute (157.0)")
