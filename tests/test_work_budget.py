@@ -1,6 +1,8 @@
 """One budget for all the work: a plan's cost is its activations plus its stand-ins in activation-
 equivalents (core/budget.py), checked against hand counts and against the work the code does."""
 
+import math
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -285,3 +287,17 @@ def test_auto_never_spends_past_the_budget_in_total(qwen, budget, monkeypatch):
     assert any(t.get("menu") for t in trials) and len(trials) > 1
     assert plan.provenance["details"]["refine"]["start_calibration_perplexity"] == pytest.approx(
         min(t["calibration_perplexity"] for t in trials))
+
+
+def test_a_perplexity_target_with_standins_searches_only_budgets_that_hold_them(qwen):
+    """Rank 8 on the tiny qwen: u = (2*32*8 + 32) / 1568, so one expert per layer plus its stand-ins costs
+    3 (1 + 3u) = 6.12: the search starts at 7, and the plan it returns fits the budget it found."""
+    from allocmoe import allocate
+
+    model, tok = qwen
+    u = 544 / 1568
+    plan = allocate(method="uniform", model=model, tokenizer=tok, calib_text=TEXT, target_ppl="1000%",
+                    config={**CFG, "substitute": True})
+    tried = [int(b) for b in plan.provenance["target"]["tried"]]
+    assert min(tried) == math.ceil(3 * (1 + 3 * u)) == 7
+    assert plan.cost()["total"] <= plan.budget + 1e-9

@@ -503,9 +503,13 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
         with apply_plan(model, plans[count]):
             return evaluate_perplexity(model, None, "", score, windows=windows).perplexity
 
+    least = None
+    if addons(method, config)[0] and method != "auto":     # stand-ins on every layer: one expert each must fit
+        least = math.ceil(num_layers * (1 + (k_orig - 1) * standin_per_slot(model, config)) - 1e-9)
     try:
         found, tried = smallest_budget(num_layers, k_orig, target, full_ppl, ppl_at,
-                                       lambda count, ppl: (bar.update(1), bar.set_postfix_str(f"B={count}: {ppl:.4g}")))
+                                       lambda count, ppl: (bar.update(1), bar.set_postfix_str(f"B={count}: {ppl:.4g}")),
+                                       least=least)
     finally:
         bar.close()
     # a Budget, not the bare count: Budget.parse reads a count <= 1 as a fraction (1 -> the full budget)
