@@ -96,6 +96,8 @@ def test_a_substitute_plan_pays_its_standins_from_the_budget(qwen, method, tmp_p
     plan.save(tmp_path / "p.json")
     loaded = Plan.load(tmp_path / "p.json")
     assert loaded.cost()["total"] == pytest.approx(cost["total"]) and loaded.standins == pytest.approx(plan.standins)
+    import dataclasses                                # the same plan with its means taken off (bench's twin)
+    assert dataclasses.replace(loaded, means=None, substitute=None).cost()["total"] == pytest.approx(activations)
     with allocmoe_apply(model, loaded) as handle:
         windows = torch.randint(0, len(tok), (2, 32))
         model(windows)

@@ -88,12 +88,20 @@ class Plan:
         """`layer:k` pairs in layer order, `?` where a policy has no set k: "0:1 1:2"."""
         return " ".join(f"{i}:{k:g}" if k is not None else f"{i}:?" for i, k in sorted(self.k_per_layer().items()))
 
+    def standin_costs(self) -> dict[int, float] | None:
+        """Per layer the plan adds stand-ins to, one's cost per skipped slot: none without means (a plan
+        whose means were taken off runs none), only the layers its means cover; None if not known."""
+        if self.means is None and not self.substitute:
+            return {}
+        if self.standins is None:
+            return None
+        return {i: u for i, u in self.standins.items() if self.means is None or i in self.means.means}
+
     def layer_costs(self) -> dict[int, float | None] | None:
         """Each layer's cost per token (k plus its stand-ins in activation-equivalents), None per layer
         without a set k; None in all if the plan has stand-ins whose cost is not known."""
-        if self.means is not None and self.standins is None or self.substitute and self.standins is None:
-            return None
-        return plan_costs(self.k_per_layer(), self.k_orig, self.standins or {})
+        standins = self.standin_costs()
+        return None if standins is None else plan_costs(self.k_per_layer(), self.k_orig, standins)
 
     def cost(self) -> dict[str, Any] | None:
         """The plan's cost per token: {"activations", "standins" (their activation-equivalents), "total",
@@ -106,15 +114,14 @@ class Plan:
         activations = sum(float(k) for k in self.k_per_layer().values())
         total = sum(layers.values())
         return {"activations": activations, "standins": total - activations, "total": total, "layers": layers,
-                "standin_per_slot": dict(self.standins or {})}
+                "standin_per_slot": self.standin_costs()}
 
     def measured_cost(self, layer_activations: dict[int, float]) -> float | None:
         """The cost per token of activations as measured per layer (a threshold layer's spend drifts
         with the text): each layer's measured activations plus its stand-ins for the rest of its
         top-K_orig. None when the stand-ins' cost is not known."""
-        if self.standins is None and (self.means is not None or self.substitute):
-            return None
-        return sum(plan_costs(dict(layer_activations), self.k_orig, self.standins or {}).values())
+        standins = self.standin_costs()
+        return None if standins is None else sum(plan_costs(dict(layer_activations), self.k_orig, standins).values())
 
     def cost_text(self) -> str:
         """The plan's cost in one phrase: "cost 19.59 per token = 18 activations + 1.59 in stand-ins"."""
