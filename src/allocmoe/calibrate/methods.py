@@ -552,8 +552,9 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
             made.append({"method": method, "k_base": k_base, "substitute": with_means, "plan": plan})
     if means is not None and config.substitute is None:       # where stand-ins are worth their cost, per layer
         made += [{"method": method, "k_base": k_base, "substitute": plan.means is not None, "menu": "k x stand-in",
-                  "plan": plan} for method, k_base, plan in _menu_trials(budget, model, windows, config, means,
-                                                                         candidates)]
+                  "k_per_layer": [p.k for _, p in sorted(plan.layers.items())],
+                  "standin_layers": sorted(plan.standins), "plan": plan}
+                 for method, k_base, plan in _menu_trials(budget, model, windows, config, means, candidates)]
     trials = _scored(made, model, windows, config)
     best = min(trials, key=lambda t: t["calibration_perplexity"])
     plan = best["plan"]
