@@ -303,3 +303,20 @@ def test_a_perplexity_target_with_standins_searches_only_budgets_that_hold_them(
     tried = [int(b) for b in plan.provenance["target"]["tried"]]
     assert min(tried) == math.ceil(3 * (1 + 3 * u)) == 7
     assert plan.cost()["total"] <= plan.budget + 1e-9
+
+
+def test_the_sweep_table_shows_each_rows_stand_ins_and_total():
+    from allocmoe.measure.report import markdown_table
+
+    base = {"budget": 0.5, "budget_activations": 18.0, "relative_change": 0.02}
+    results = {"model": {"model_type": "deepseek_v2", "num_moe_layers": 6, "num_experts": 32, "k_orig": 6},
+               "full": {"perplexity": 148.0, "activations_per_token": 36.0},
+               "evaluation": {"text": "t", "tokens": 10, "seq_len": 5, "batch_size": 1},
+               "rows": [{**base, "method": "auto", "perplexity": 150.0, "activations_per_token": 16.0,
+                         "cost_per_token": 16.0 + 20 * 17 / 193},
+                        {**base, "method": "uniform", "perplexity": 170.0, "activations_per_token": 18.0,
+                         "cost_per_token": 18.0},
+                        {**base, "method": "top-p", "perplexity": 171.0, "activations_per_token": 18.3}]}
+    table = markdown_table(results)
+    assert f"[16.00 + {20 * 17 / 193:.2f} = {16 + 20 * 17 / 193:.2f}]" in table
+    assert "[18.00]" in table and "[18.30]" in table
