@@ -320,3 +320,21 @@ def test_the_sweep_table_shows_each_rows_stand_ins_and_total():
     table = markdown_table(results)
     assert f"[16.00 + {20 * 17 / 193:.2f} = {16 + 20 * 17 / 193:.2f}]" in table
     assert "[18.00]" in table and "[18.30]" in table
+
+
+def test_on_deepseek_v2_lites_shape_a_standin_is_04_percent_of_an_expert():
+    """Read off the real architecture (on the meta device, no weights): 3 x 2048 x 1408 per expert; a
+    rank-8 stand-in costs (2*2048*8 + 2048) / (3*2048*1408 + 2048) = 0.40% of one, so half of the
+    paper's budget (78 of 156) leaves 77.68 activations for the experts."""
+    from transformers import AutoModelForCausalLM
+
+    from allocmoe.core.budget import Budget, expert_budget
+    from allocmoe.measure.synthetic import synthetic_config
+
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(synthetic_config("deepseek-v2-lite", 3))
+    assert expert_weights(model) == 3 * 2048 * 1408
+    u = standin_equivalent(2048, expert_weights(model), 8)
+    assert u == pytest.approx(17 / 4225) and 0.0040 < u < 0.0041
+    left = expert_budget(Budget(78.0, 156, 26), u, 6).activations_per_token
+    assert left == pytest.approx((78 - 156 * u) / (1 - u), abs=1e-8) and 77.68 < left < 77.69
