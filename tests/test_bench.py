@@ -1,6 +1,7 @@
 """The benchmark's JSON, synthetic shapes against the published configs, experts on/off."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -149,14 +150,22 @@ def test_bench_cli_times_a_distinct_budget_beside_uniform(tiny_folder, tmp_path,
 
 def test_bench_times_a_plan_with_a_substitute_beside_its_twin_without_it(tiny_folder, tmp_path, capsys):
     plan_file, out = tmp_path / "half.json", tmp_path / "bench.json"
-    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
+    # B = 9 of 12; a rank-8 stand-in costs u = (2*32*8 + 32) / (3*32*16 + 32) of an expert on this model (H 32,
+    # I 16), so the plan's activations are the most a with a + (12 - a) u <= 9
+    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.75", "--substitute",
           "--refine", "0", "--seq-len", "64", "--calib-tokens", "256", "--output", str(plan_file), "--quiet"])
+    u = 544 / 1568
+    activations = math.floor((9 - 12 * u) / (1 - u))
     main(["bench", "--model", str(tiny_folder), "--plan", str(plan_file), "--batch-size", "2", "--input-len", "8",
           "--output-len", "3", "--repeats", "2", "--warmup", "0", "--quiet", "--output", str(out)])
     result, err = json.loads(out.read_text()), capsys.readouterr().err
     rows = result["configurations"]
     assert list(rows) == ["full", "plan", "twin", "off"]
-    assert rows["twin"]["activations_per_token"] == rows["plan"]["activations_per_token"] == pytest.approx(6.0)
+    assert rows["twin"]["activations_per_token"] == rows["plan"]["activations_per_token"] == pytest.approx(activations)
+    stated = activations + (12 - activations) * u
+    assert result["plan"]["cost"]["total"] == pytest.approx(stated) and stated <= 9
+    assert result["measured_cost_per_token"] == pytest.approx(stated)
+    assert f"the plan's stated cost: {stated:.4g} per token" in err
     for phase in ("prefill", "decode"):
         t = result["timings_seconds"]
         cost = result["substitute_cost"][phase]

@@ -25,9 +25,9 @@ def tiny(tiny_folder):
     return model, tok, profile
 
 
-def _allocation(method):
+def _allocation(method, budget="0.5"):
     def run(model, tok, profile, progress):
-        allocate("0.5", method, profile=profile, model=model, tokenizer=tok, calib_text=TEXT,
+        allocate(budget, method, profile=profile, model=model, tokenizer=tok, calib_text=TEXT,
                  config={"seq_len": 32, "calib_tokens": 128, "lexi_samples": 16, "progress": progress})
     return run
 
@@ -56,7 +56,10 @@ JOBS = {
     "lexi": (_allocation("lexi"), "lexi", 3 * 4),                 # a pass per layer and k
     "top-p": (_allocation("top-p"), "top-p", 1),                  # batches of the calibration pass
     "naee": (_allocation("naee"), "naee", 1),
-    "auto": (_allocation("auto"), "auto", 14),                    # alloc-l, alloc-moe and alloc-t at k_base 0, 1, 2; each with and without the substitute
+    # alloc-l, alloc-moe and alloc-t at k_base 0, 1, 2, each with and without the substitute, and the (k, stand-in)
+    # DP's allocation as alloc-l and alloc-moe at k_base 0, 1, 2 (at 3/4: at 1/2 this model's rank-8 stand-ins, 0.35
+    # of an expert each, leave too little for one expert per layer)
+    "auto": (_allocation("auto", "0.75"), "auto", 14 + 4),
     "profile": (_profile, "profile", 3 * 4 - 2),                  # cells
     "sweep": (_sweep, "sweep", 2),                                # rows
     "analyze": (_analyze, "perplexity", 1),                       # a bar per pass (cleared when done)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import itertools
 import json
 
+import math
+
 import pytest
 
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, allocate, apply_plan, evaluate_perplexity
@@ -100,18 +102,24 @@ def calib_ppl(model, tok, text, plan):
 
 
 def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_score_worse(tiny):
+    """The stand-ins are paid from B (core/budget.py): at rank 2 each costs u = (2*32*2 + 32) / (3*32*16 + 32)
+    of an expert on this model (H 32, I 16), so B = 9 of 12 leaves a = floor((9 - 12 u) / (1 - u)) = 8."""
     model, tok, text = tiny
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False}
-    plain = allocate(5, "uniform", model=model, config=config)
-    plan = allocate(5, "uniform", model=model, tokenizer=tok, calib_text=text,
-                    config={**config, "substitute": True, "refine": 12})
+    u = 160 / 1568
+    activations = math.floor((9 - 12 * u) / (1 - u))
+    assert activations == 8
+    plain = allocate(activations, "uniform", model=model, config=config)
+    plan = allocate(9, "uniform", model=model, tokenizer=tok, calib_text=text,
+                    config={**config, "substitute": True, "substitute_rank": 2, "refine": 12})
     assert plan.means is not None and set(plan.means.means) == set(plan.layers)
     ppl, spent = calib_ppl(model, tok, text, plan)
     start = made = plan.provenance["details"]["refine"]
-    assert spent == pytest.approx(5.0) and sum(p.k for p in plan.layers.values()) == 5
+    assert spent == pytest.approx(activations) and sum(p.k for p in plan.layers.values()) == activations
+    assert plan.cost()["total"] == pytest.approx(activations + (12 - activations) * u) and plan.cost()["total"] <= 9
     assert made["calibration_perplexity"] == pytest.approx(ppl, rel=1e-6)
     assert made["calibration_perplexity"] <= start["start_calibration_perplexity"]
-    plain_with_means = allocate(5, "uniform", model=model, config=config)
+    plain_with_means = allocate(activations, "uniform", model=model, config=config)
     plain_with_means.means = plan.means
     assert start["start_calibration_perplexity"] == pytest.approx(calib_ppl(model, tok, text, plain_with_means)[0])
     assert calib_ppl(model, tok, text, plain)[0] != pytest.approx(start["start_calibration_perplexity"])
@@ -122,8 +130,11 @@ def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(t
     from allocmoe.calibrate.profile import profile_sensitivity
 
     profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
-    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "refine": 8}
+    # rank 2: a stand-in costs 0.1 of an expert here, so B = 6 of 12 leaves the substitute's trials 5.3 activations
+    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "refine": 8,
+              "substitute_rank": 2}
     plan = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text, config=config)
+    assert plan.cost()["total"] <= 6 + 1e-9
     details = plan.provenance["details"]
     trials = details["trials"]
     assert {t["substitute"] for t in trials} == {True, False}
@@ -139,7 +150,7 @@ def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(t
 
 def test_the_cli_writes_plan_and_means_and_leaves_no_partial_file(tiny_folder, tmp_path, capsys):
     out = tmp_path / "half.json"
-    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute",
+    main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.5", "--substitute", "--substitute-rank", "2",
           "--refine", "6", "--seq-len", "64", "--calib-tokens", "512", "--output", str(out), "--quiet"])
     assert sorted(p.name for p in tmp_path.iterdir()) == ["half.json", "half.means.safetensors"]
     plan = Plan.load(out)

@@ -34,12 +34,12 @@ import torch
 from tqdm import tqdm
 
 from ..routing.apply import apply_plan, static_plan
-from ..core.budget import Budget
+from ..core.budget import Budget, expert_budget, layer_cost, plan_costs, standin_equivalent
 from ..core.config import Config, check_counts, checked_config, replaced
 from ..errors import AllocMoeError
 from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
 from ..core.plan import Plan, check_fingerprint
-from ..routing.layout import model_fingerprint
+from ..routing.layout import expert_weights, model_fingerprint, standin_costs
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
 
@@ -326,12 +326,20 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
             budget = Budget.parse(budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
         return _auto(budget, profile, model, _calibration_windows(model, tokenizer, calib_text, config), config,
                      refine_memo)
-    plan = _allocate_plain(budget, method, profile, model, tokenizer, calib_text, config)
-    if not (substitute or refine):
-        return plan
+    if not substitute:
+        plan = _allocate_plain(budget, method, profile, model, tokenizer, calib_text, config)
+        return _refined(plan, model, _calibration_windows(model, tokenizer, calib_text, config), config, refine,
+                        refine_memo) if refine else plan
+    # the stand-ins are paid from the same budget: the activations get what they leave (core/budget.py)
+    fingerprint = _fingerprint(profile, model)
+    parsed = budget if isinstance(budget, Budget) else Budget.parse(budget, fingerprint["num_moe_layers"],
+                                                                    fingerprint["k_orig"])
+    experts = expert_budget(parsed, standin_per_slot(model, config), fingerprint["k_orig"])
+    plan = _allocate_plain(experts, method, profile, model, tokenizer, calib_text, config)
+    plan.budget = parsed.activations_per_token
     windows = _calibration_windows(model, tokenizer, calib_text, config)
-    if substitute:
-        plan.means = _measure_means(model, windows, config)
+    plan.means = _measure_means(model, windows, config)
+    plan.standins = standin_costs(model, plan.means)
     return _refined(plan, model, windows, config, refine, refine_memo) if refine else plan
 
 
@@ -403,6 +411,12 @@ def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
                                    windows=windows).perplexity
 
 
+def standin_per_slot(model, config: AllocateConfig) -> float:
+    """What one of `config`'s stand-ins (rank substitute_rank) costs per skipped slot on `model`, in
+    activation-equivalents (core/budget.py)."""
+    return standin_equivalent(int(model.config.hidden_size), expert_weights(model), config.substitute_rank)
+
+
 def _measure_means(model, windows, config: AllocateConfig):
     from .means import measure_expert_means
 
@@ -413,8 +427,11 @@ def _measure_means(model, windows, config: AllocateConfig):
 def _refined(plan: Plan, model, windows, config: AllocateConfig, passes: int, memo) -> Plan:
     from .refine import refine_allocation
 
+    def fits(ks: dict[int, float]) -> bool:       # a move between layers with and without stand-ins changes the cost
+        return sum(plan_costs(ks, plan.k_orig, plan.standins or {}).values()) <= plan.budget + 1e-9
+
     refined, done = refine_allocation(plan, lambda p: _calib_ppl(model, p, windows, config), passes,
-                                      config.k_base, memo=memo, progress=config.progress)
+                                      config.k_base, memo=memo, progress=config.progress, fits=fits)
     refined.provenance = {**plan.provenance, "details": {**plan.provenance.get("details", {}), "refine": done}}
     return refined
 
@@ -486,9 +503,13 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
         with apply_plan(model, plans[count]):
             return evaluate_perplexity(model, None, "", score, windows=windows).perplexity
 
+    least = None
+    if addons(method, config)[0] and method != "auto":     # stand-ins on every layer: one expert each must fit
+        least = math.ceil(num_layers * (1 + (k_orig - 1) * standin_per_slot(model, config)) - 1e-9)
     try:
         found, tried = smallest_budget(num_layers, k_orig, target, full_ppl, ppl_at,
-                                       lambda count, ppl: (bar.update(1), bar.set_postfix_str(f"B={count}: {ppl:.4g}")))
+                                       lambda count, ppl: (bar.update(1), bar.set_postfix_str(f"B={count}: {ppl:.4g}")),
+                                       least=least)
     finally:
         bar.close()
     # a Budget, not the bare count: Budget.parse reads a count <= 1 as a fraction (1 -> the full budget)
@@ -501,7 +522,8 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
 
 
 def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refine_memo=None) -> Plan:
-    """Try alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute, on
+    """Try alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute (its
+    stand-ins paid from B), and the (k, stand-in) DP's allocation as alloc-l and alloc-moe, on
     calibration windows; keep the best, then refine it."""
     substitute, refine = addons("auto", config)
     candidates = [("alloc-l", None)]
@@ -510,29 +532,87 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
     means = _measure_means(model, windows, config) if substitute else None
     modes = [False, True] if substitute and config.substitute is None else [bool(substitute)]
-    trials = []
-    with tqdm(total=len(candidates) * len(modes), desc="auto", unit="trial", disable=not config.progress) as bar:
-        for method, k_base in candidates:
-            trial_k_base = config.k_base if k_base is None else k_base
-            trial_config = AllocateConfig(**{**config.model_dump(), "k_base": trial_k_base, "substitute": False,
-                                             "refine": 0})
-            for with_means in modes:
-                bar.set_postfix_str(method + (f" k_base={k_base}" if k_base is not None else "")
-                                    + (" +substitute" if with_means else ""))
-                plan = allocate(budget, method, profile=profile, model=model, config=trial_config)
-                plan.means = means if with_means else None
-                ppl = _calib_ppl(model, plan, windows, config)
-                trials.append({"method": method, "k_base": k_base, "substitute": with_means,
-                               "calibration_perplexity": round(ppl, 6), "plan": plan})
-                bar.update(1)
+    budgets = {False: budget}
+    if substitute:        # trials with stand-ins on every layer pay for them from B: the activations get the rest
+        try:
+            budgets[True] = expert_budget(budget, standin_per_slot(model, config), model_fingerprint(model)["k_orig"])
+        except AllocMoeError:
+            if config.substitute:
+                raise
+            modes = [False]   # B cannot hold one expert per layer and their stand-ins: try without
+    made = []
+    for method, k_base in candidates:
+        trial_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if k_base is None else k_base,
+                                         "substitute": False, "refine": 0})
+        for with_means in modes:
+            plan = allocate(budgets[with_means], method, profile=profile, model=model, config=trial_config)
+            plan.budget = budget.activations_per_token
+            plan.means = means if with_means else None
+            plan.standins = standin_costs(model, means) if with_means else {}
+            made.append({"method": method, "k_base": k_base, "substitute": with_means, "plan": plan})
+    if means is not None and config.substitute is None:       # where stand-ins are worth their cost, per layer
+        made += [{"method": method, "k_base": k_base, "substitute": plan.means is not None, "menu": "k x stand-in",
+                  "k_per_layer": [p.k for _, p in sorted(plan.layers.items())],
+                  "standin_layers": sorted(plan.standins), "plan": plan}
+                 for method, k_base, plan in _menu_trials(budget, model, windows, config, means, candidates)]
+    trials = _scored(made, model, windows, config)
     best = min(trials, key=lambda t: t["calibration_perplexity"])
     plan = best["plan"]
     plan.method = "auto"
-    plan.provenance = {"details": {"chosen": {"method": best["method"], "k_base": best["k_base"],
-                                              "substitute": best["substitute"]},
+    plan.provenance = {"details": {"chosen": {k: v for k, v in best.items() if k not in ("plan", "calibration_perplexity")},
                                    "trials": [{k: v for k, v in t.items() if k != "plan"} for t in trials]}}
     if refine:
         chosen_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if best["k_base"] is None
                                           else best["k_base"]})
         plan = _refined(plan, model, windows, chosen_config, refine, refine_memo)
     return plan
+
+
+def _scored(trials: list[dict], model, windows, config: AllocateConfig) -> list[dict]:
+    """auto's trials, each with its calibration perplexity (a bar over them)."""
+    with tqdm(total=len(trials), desc="auto", unit="trial", disable=not config.progress) as bar:
+        for trial in trials:
+            bar.set_postfix_str(trial["method"] + (f" k_base={trial['k_base']}" if trial["k_base"] is not None else "")
+                                + (" +substitute" if trial["substitute"] else "")
+                                + (" (k x stand-in)" if "menu" in trial else ""))
+            trial["calibration_perplexity"] = round(_calib_ppl(model, trial["plan"], windows, config), 6)
+            bar.update(1)
+    return trials
+
+
+def menu_choice(table: dict[str, Any], standins: dict[int, float], moe_layers: list[int], k_orig: int,
+                budget: float) -> tuple[list[int], list[int]]:
+    """(k per MoE layer, the MoE layers given a stand-in): the exact DP over each layer's menu of
+    (k, stand-in or not), losses from the (k, stand-in) profile (calibrate/pairs.py), costs k plus
+    K_orig - k stand-ins at the layer's per-slot cost, the summed cost within `budget`."""
+    from ..core.solver import solve_menu_allocation
+
+    losses = [plain + standin for plain, standin in zip(table["plain"], table["standin"])]
+    costs = [[float(k) for k in range(1, k_orig + 1)]
+             + [layer_cost(k, k_orig, standins.get(index, 0.0)) for k in range(1, k_orig + 1)] for index in moe_layers]
+    choice = solve_menu_allocation(losses, costs, budget)
+    ks = [j % k_orig + 1 for j in choice]
+    return ks, [index for index, j in zip(moe_layers, choice) if j >= k_orig and j % k_orig + 1 < k_orig]
+
+
+def _menu_trials(budget: Budget, model, windows, config: AllocateConfig, means, candidates) -> list[tuple]:
+    """auto's trials from the (k, stand-in) DP: (method, k_base, plan) for alloc-l and each alloc-moe
+    k_base of `candidates`, the same allocation run as static top-k or with Alloc-T."""
+    from .pairs import pair_profile
+
+    fingerprint = model_fingerprint(model)
+    table = pair_profile(model, windows, means, config.windows_per_pass, config.progress)
+    standins = standin_costs(model, means)
+    ks, with_standin = menu_choice(table, standins, fingerprint["moe_layers"], fingerprint["k_orig"],
+                                   budget.activations_per_token)
+    trials = []
+    for method, k_base in candidates:
+        if method == "alloc-t":
+            continue
+        policies = ([StaticTopK(k) for k in ks] if method == "alloc-l"
+                    else [_alloc_t(k, config, k_base) for k in ks])
+        plan = _plan(fingerprint, policies, method, budget, menu="k x stand-in", standin_layers=with_standin)
+        plan.means = means.restricted(with_standin) if with_standin else None
+        plan.standins = {i: standins[i] for i in with_standin}
+        trials.append((method, k_base, plan))
+    return trials

@@ -5,7 +5,9 @@ how layers interact once all are cut. Refinement starts from a plan and, each ro
 move of one activation from layer a to layer b (a keeps at least 1, b at most K_orig), measured as
 calibration perplexity of the whole plan; it takes the best move if it improves, and stops when
 none does or the evaluation bound is spent. The budget never changes (each move keeps the sum), and
-the result is never worse on calibration text than the start: only improving moves are taken.
+the result is never worse on calibration text than the start: only improving moves are taken. Where
+stand-ins sit on some layers only, a move can change the plan's cost (core/budget.py): the caller's
+`fits` keeps every move within B.
 
 Each evaluation is one calibration pass over a new allocation (a move back to one already scored is
 free). Scores are memoised by allocation, so a caller that persists `memo` (the CLI keeps it in a
@@ -42,9 +44,12 @@ def with_k(plan: Plan, ks: dict[int, float], k_base: int) -> Plan:
 
 
 def refine_allocation(plan: Plan, calib_ppl: Callable[[Plan], float], max_evaluations: int, k_base: int = 1,
-                      memo: MutableMapping[str, float] | None = None, progress: bool = False) -> tuple[Plan, dict]:
-    """Refine `plan` (static top-k or Alloc-T layers) with at most `max_evaluations` calibration passes.
-    Returns the refined plan and what the search did (for the plan's provenance)."""
+                      memo: MutableMapping[str, float] | None = None, progress: bool = False,
+                      fits: Callable[[dict[int, float]], bool] | None = None) -> tuple[Plan, dict]:
+    """Refine `plan` (static top-k or Alloc-T layers) with at most `max_evaluations` calibration passes;
+    with `fits`, only moves to allocations it accepts (a plan whose stand-ins sit on some layers only:
+    a move from such a layer to one without adds a stand-in's cost). Returns the refined plan and what
+    the search did (for the plan's provenance)."""
     if not all(isinstance(p, (StaticTopK, AllocT)) for p in plan.layers.values()):
         raise AllocMoeError(f"refinement moves activations between top-k or alloc-t layers; the {plan.method!r} "
                             "plan has other policies: refine an alloc-moe, alloc-l, alloc-t or uniform plan")
@@ -77,6 +82,8 @@ def refine_allocation(plan: Plan, calib_ppl: Callable[[Plan], float], max_evalua
                     if a == b or ks[a] - 1 < 1 - 1e-9 or ks[b] + 1 > k_orig + 1e-9:
                         continue
                     trial = {**ks, a: ks[a] - 1, b: ks[b] + 1}
+                    if fits is not None and not fits(trial):
+                        continue
                     got = score(trial)
                     if got is not None and got < best and (found is None or got < found[0]):
                         found = (got, trial, [a, b])

@@ -58,9 +58,11 @@ def check_target_reach(text: str | float, vocab_size: int | None) -> None:
 
 
 def smallest_budget(num_layers: int, k_orig: int, target: float, full_ppl: float,
-                    ppl_at: Callable[[int], float], progress: Callable[[int, float], None] | None = None
-                    ) -> tuple[int, dict[int, float]]:
-    """(the smallest whole budget B in [L, L*K] with ppl_at(B) <= target, {budget: perplexity} tried).
+                    ppl_at: Callable[[int], float], progress: Callable[[int, float], None] | None = None,
+                    least: int | None = None) -> tuple[int, dict[int, float]]:
+    """(the smallest whole budget B in [max(L, least), L*K] with ppl_at(B) <= target, {budget: perplexity}
+    tried). `least`: the smallest budget a plan can be made at (with stand-ins, one expert per layer
+    and its stand-ins cost more than L).
 
     `ppl_at(B)` scores B's plan on calibration text. The full budget is the unmodified model, whose
     perplexity `full_ppl` the caller measured; a target below it cannot be met and is refused.
@@ -78,7 +80,7 @@ def smallest_budget(num_layers: int, k_orig: int, target: float, full_ppl: float
                 progress(budget, tried[budget])
         return tried[budget] <= target
 
-    low, high = num_layers, full          # invariant: high meets the target; budgets below low were ruled out
+    low, high = max(num_layers, least or 0), full          # invariant: high meets the target; budgets below low were ruled out
     if meets(low):
         return low, tried
     while high - low > 1:                 # low fails, high meets

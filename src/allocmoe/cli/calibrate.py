@@ -31,7 +31,8 @@ def add_parsers(sub) -> None:
     add_model_flags(p)
     p.add_argument("--profile", default=None, help="profile JSON (needed by alloc-moe, alloc-l, auto)")
     p.add_argument("--calib-text", default=None, help="calibration text for top-p, naee, auto, profiling")
-    p.add_argument("--budget", default=None, help="fraction of full (0.5, 1/2, 50%%) or count (78)")
+    p.add_argument("--budget", default=None, help="fraction of full (0.5, 1/2, 50%%) or count (78) of activations per token; with stand-ins "
+                   "(--substitute, auto) it bounds activations plus their activation-equivalents")
     p.add_argument("--target-ppl", default=None, metavar="TARGET",
                    help="instead of --budget: the smallest budget whose plan stays within this calibration "
                         "perplexity, relative to the full model (5%%) or absolute (157.0)")
@@ -291,8 +292,8 @@ def _refine_memo(args, config, run: _AllocateRun, profile, name):
 def _say_plan(args, plan) -> None:
     """The lines on stderr that say what was written (and, for a target, what budget met it)."""
     ks = ", ".join(f"{i}:{p.k:g}" if p.k is not None else f"{i}:{p.name}" for i, p in sorted(plan.layers.items()))
-    print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}",
-          file=sys.stderr)
+    print(f"wrote {args.output}: {plan.method} at B={plan.budget:g} of {plan.full_budget}; k per layer {ks}; "
+          f"{plan.cost_text()}", file=sys.stderr)
     if args.target_ppl is not None:
         found = plan.provenance["target"]
         print(f"target {found['perplexity']:.4g} (full model {found['full_calibration_perplexity']:.4g}): the "

@@ -132,7 +132,9 @@ def cmd_eval(args) -> None:
     if args.decode_batch:
         outside = result["top1_outside_chosen_rate"]
         print(f"decode batch {args.decode_batch}: perplexity {result['perplexity']:.4f} at "
-              f"{result['activations_per_token']:.2f} of {result['full_activations_per_token']:g} activations/token; "
+              f"{result['activations_per_token']:.2f} of {result['full_activations_per_token']:g} activations/token"
+              + (f" (cost {result['cost_per_token']:.2f} with stand-ins)" if result.get("cost_per_token") is not None
+                 and result["cost_per_token"] - result["activations_per_token"] > 5e-3 else "") + "; "
               f"distinct experts per step {result['distinct_experts_per_step']:.2f} (max "
               f"{result['max_distinct_experts_per_step']}) of {result['model']['num_experts']} per layer"
               + (f"; top-1 outside the chosen set {outside:.1%}" if outside is not None else ""), file=sys.stderr)
@@ -438,6 +440,11 @@ def _say_bench(result: dict) -> None:
           f"decode {result['decode_speedup']:.3f}x (ideal {result['decode_ideal_speedup']:.3f}x) "
           f"at {result['measured_activations_per_token']:.2f} of "
           f"{result['model']['num_moe_layers'] * result['model']['k_orig']} activations/token", file=sys.stderr)
+    stated = result["plan"].get("cost")
+    if stated is not None:
+        print(f"the plan's stated cost: {stated['total']:.4g} per token = {stated['activations']:.4g} activations + "
+              f"{stated['standins']:.3g} in stand-ins (B = {result['plan']['budget']:g}); measured "
+              f"{result['measured_cost_per_token']:.4g}", file=sys.stderr)
     if "substitute_cost" in result:
         cost = result["substitute_cost"]
         print(f"substitute (rank {cost['decode']['rank']}): prefill {cost['prefill']['ratio']:.3f}x, decode "

@@ -97,3 +97,60 @@ class Budget:
                                 f"minimum (every one of the {num_layers} MoE layers keeps at least one expert); "
                                 f"give at least {num_layers / full:.3g} or {num_layers}")
         return cls(count, full, num_layers)
+
+
+# -- what a plan's work costs, in activations ------------------------------------------------------
+# A plan's cost per token is its activations plus its stand-ins (routing/substitute.py) converted to
+# activation-equivalents: a stand-in's multiply-adds over one expert's. `--budget` bounds that total.
+# Counted per (token, slot), weights only (norms, activation functions and biases are not counted):
+#   an expert:   its weight matrices (3 x H x I for a gated expert: gate, up, down) + H for gate x output
+#   a stand-in:  2 x H x r for ((x @ down) @ up)  + H for gate x (offset + that)
+# so a rank-0 stand-in (the means alone) is H / (3 H I + H) and rank r adds 2 H r to it.
+def expert_multiply_adds(hidden: int, intermediate: int, matrices: int = 3) -> int:
+    """One routed expert's weight multiply-adds per token: `matrices` x H x I (3 for a gated, SwiGLU
+    expert; 2 for a plain up-down MLP)."""
+    return matrices * hidden * intermediate
+
+
+def standin_multiply_adds(hidden: int, rank: int) -> int:
+    """One stand-in's multiply-adds per skipped slot: 2 x H x r for its rank-r term, H for its weighted sum."""
+    return hidden * (2 * rank + 1)
+
+
+def standin_equivalent(hidden: int, expert_weights: int, rank: int) -> float:
+    """A skipped slot's stand-in in activation-equivalents: its multiply-adds over one expert's (an
+    expert's `expert_weights` weight multiply-adds plus H for its weighted sum)."""
+    if hidden < 1 or expert_weights < 1 or rank < 0:
+        raise AllocMoeError(f"a stand-in's cost needs hidden >= 1, expert weights >= 1 and rank >= 0, got "
+                            f"{hidden}, {expert_weights}, {rank}")
+    return standin_multiply_adds(hidden, rank) / (expert_weights + hidden)
+
+
+def layer_cost(k: float, k_orig: int, standin: float | None) -> float:
+    """A layer's cost per token: its k activations plus, with a stand-in of `standin` activation-
+    equivalents per skipped slot (None: no stand-in), one stand-in for each of the K_orig - k skipped."""
+    return k if standin is None else k + (k_orig - k) * standin
+
+
+def plan_costs(k_per_layer: dict[int, float | None], k_orig: int,
+               standins: dict[int, float]) -> dict[int, float | None]:
+    """Each layer's cost (`layer_cost`), None where a layer's k is not set (top-p, naee: measured only).
+    `standins` holds the per-slot stand-in cost of each layer that has one."""
+    return {index: None if k is None else layer_cost(k, k_orig, standins.get(index))
+            for index, k in k_per_layer.items()}
+
+
+def expert_budget(budget: Budget, standin: float, k_orig: int, what: str = "the substitute") -> Budget:
+    """The activations a plan with a stand-in of `standin` activation-equivalents on every layer may
+    spend so that its total stays within B: a + (L x K_orig - a) x u <= B, so a <= (B - L K u) / (1 - u)
+    (whatever the layers' split: the total depends on the activations' sum alone). Rounded down at
+    the 9th decimal, so the total never passes B. One line if even one expert per layer will not fit."""
+    slots = budget.num_layers * k_orig
+    most = (budget.activations_per_token - slots * standin) / (1.0 - standin)
+    most = min(math.floor(most * 1e9 + 1e-6) / 1e9, float(budget.full))
+    least = budget.num_layers * (1 + (k_orig - 1) * standin)
+    if most < budget.num_layers:
+        raise AllocMoeError(f"budget {budget.activations_per_token:g} cannot hold {what}: one expert per MoE layer "
+                            f"plus stand-ins for the other {k_orig - 1} costs {least:.4g} activations per token; "
+                            f"give at least {least:.4g} ({least / budget.full:.3g}), or leave the substitute out")
+    return Budget(most, budget.full, budget.num_layers)

@@ -137,6 +137,15 @@ class SubstituteRef(Document):
     tokens: Count                                                     # calibration tokens the means came from
 
 
+class PlanCost(Document):
+    """What the plan's work costs per token, in activations (core/budget.py): B bounds `total`."""
+    activations: number(ge=0)                       # the layers' k, summed
+    standins: number(ge=0)                          # the stand-ins, in activation-equivalents
+    total: number(ge=0)                             # activations + standins
+    layers: dict[str, number(ge=0)]                 # each layer's k + its stand-ins' equivalents
+    standin_per_slot: dict[str, number(ge=0, le=1)] = {}   # per layer with a stand-in: one's cost per skipped slot
+
+
 class PlanDocument(Document):
     """A plan file: which policy, and which k, each MoE layer of one model gets under a budget."""
     format_version: Literal[1]
@@ -146,6 +155,7 @@ class PlanDocument(Document):
     layers: dict[str, LayerEntry]                                     # decoder-layer index (as text) -> policy
     provenance: dict[str, Any] = {}                                   # version, time, method details
     substitute: SubstituteRef | None = None                           # skipped experts' means, added back
+    cost: PlanCost | None = None                                      # the work per token; absent in older plans
 
     @model_validator(mode="after")
     def _fits_model(self):
@@ -176,7 +186,30 @@ class PlanDocument(Document):
         if abs(self.budget.fraction - spend / full) > 1e-6:
             raise ValueError(f"budget.fraction {self.budget.fraction:g} is not activations_per_token / full "
                              f"= {spend / full:.6g}")
+        if self.cost is not None:
+            _check_cost(self.cost, self.layers, fp.k_orig, spend)
         return self
+
+
+def _check_cost(cost: PlanCost, layers: dict[str, Any], k_orig: int, spend: float) -> None:
+    """A plan's `cost` agrees with its layers (each layer's k plus K_orig - k stand-ins at its per-slot
+    cost; the sums) and fits its budget: B bounds the total."""
+    if sorted(cost.layers, key=_layer_order) != sorted(layers, key=_layer_order):
+        raise ValueError("cost.layers must name exactly the plan's layers")
+    if not set(cost.standin_per_slot) <= set(layers):
+        raise ValueError("cost.standin_per_slot names a layer the plan does not have")
+    close = lambda a, b: abs(a - b) <= 1e-6 * max(1.0, abs(b))              # noqa: E731 (the file rounds to 9 places)
+    for index, entry in layers.items():
+        k = getattr(entry, "k", None)
+        u = cost.standin_per_slot.get(index)
+        if k is None or not close(cost.layers[index], k + (k_orig - k) * (u or 0.0)):
+            raise ValueError(f"cost.layers.{index} {cost.layers[index]:g} is not the layer's k plus its stand-ins")
+    if not close(cost.activations, sum(layers[i].k for i in layers)) or not close(cost.total, sum(cost.layers.values())) \
+            or not close(cost.standins, cost.total - cost.activations):
+        raise ValueError("cost.activations, cost.standins and cost.total do not add up over the layers")
+    if cost.total > spend * (1 + 1e-9) + 1e-9:
+        raise ValueError(f"cost.total {cost.total:g} is above budget.activations_per_token {spend:g}: B bounds the "
+                         "activations plus the stand-ins' equivalents")
 
 
 def least_spend(entries, k_orig: int) -> float:

@@ -1,6 +1,7 @@
 """Expert means: what a plan's substitute adds back for the experts its budget skips.
 
-A plan made with `substitute` carries, per MoE layer, each routed expert's mean output over the
+A plan made with `substitute` carries, per MoE layer (or per MoE layer that `auto`'s (k, rank) DP gave
+a stand-in: a layer without means adds nothing back), each routed expert's mean output over the
 calibration tokens whose top-K_orig held it, measured on the unmodified model (MoNE, arXiv
 2507.00390; calibrate/means.py measures them, routing/router.py adds them). With a rank r > 0 it
 also carries a rank-r linear term fitted by least squares on the same tokens, so a skipped expert
@@ -62,6 +63,13 @@ class ExpertMeans:
     def rank(self) -> int:
         return next(iter(self.linear.values())).rank if self.linear else 0
 
+    def restricted(self, layers) -> "ExpertMeans":
+        """These means for `layers` only: a plan whose other layers carry no stand-in (auto's (k, rank) DP)."""
+        keep = set(layers)
+        linear = {i: t for i, t in (self.linear or {}).items() if i in keep}
+        return ExpertMeans(means={i: t for i, t in self.means.items() if i in keep}, tokens=self.tokens,
+                           linear=linear or None)
+
     def to_bytes(self) -> bytes:
         from safetensors.torch import save
 
@@ -73,7 +81,7 @@ class ExpertMeans:
 
     def check_shape(self, layers: list[int], num_experts: int, hidden: int | None, what: str) -> None:
         """Refuse means that do not fit a model: other layers, another expert count or hidden size."""
-        if sorted(self.means) != sorted(layers):
+        if not self.means or not set(self.means) <= set(layers):
             raise AllocMoeError(f"{what} holds means for layers {sorted(self.means)} but the model's MoE layers are "
                                 f"{sorted(layers)}; recreate the plan with `allocmoe allocate --substitute`")
         for index, t in self.means.items():

@@ -12,6 +12,9 @@ own minimum (which changes no comparison between allocations: every allocation p
 minimum once), so a profile of 1e308s sums zeros, and when even the relative rows could overflow a
 sum of L of them, they are scaled down by a power of two (exact but for the smallest digits, which
 no sum of such magnitudes can resolve anyway). Without this, inf - inf ties left the backtrack a k of 0.
+
+`solve_menu_allocation` is the same choice over any menu per layer with fractional costs: auto's
+(k, stand-in) pairs, whose stand-ins cost a fraction of an activation each (core/budget.py).
 """
 
 from __future__ import annotations
@@ -76,3 +79,44 @@ def relative_costs(table: np.ndarray) -> np.ndarray:
             rel = np.ldexp(rel, -shift)
     return rel
 
+
+
+def solve_menu_allocation(losses: Sequence[Sequence[float]], costs: Sequence[Sequence[float]],
+                          budget: float) -> list[int]:
+    """Per layer, the index of one option of its menu (e.g. the (k, stand-in rank) pairs) minimising the
+    summed loss with the summed cost <= budget; costs may be fractional (a stand-in's activation-
+    equivalents), so the DP runs over the Pareto frontier of (cost, loss) rather than a grid of whole
+    budgets. Exact: a partial allocation dominated by another (no less cost and no less loss) can
+    never complete to a better whole one, and only those are dropped. Ties go to the smaller cost.
+    losses, costs: [L, J] (every layer offers J options). Feasible: cost <= budget + 1e-9."""
+    table = np.asarray(losses, dtype=np.float64)                 # [L, J]
+    price = np.asarray(costs, dtype=np.float64)                  # [L, J]
+    if table.ndim != 2 or table.size == 0 or price.shape != table.shape:
+        raise AllocMoeError("the menu's losses and costs must be two non-empty L x J tables of one shape")
+    if not (np.all(np.isfinite(table)) and np.all(np.isfinite(price)) and np.all(price >= 0)):
+        raise AllocMoeError("the menu holds NaN, infinite or negative values; re-profile the model")
+    if not isinstance(budget, (int, float, np.integer, np.floating)) or not math.isfinite(budget):
+        raise AllocMoeError(f"budget {budget!r} must be a finite number")
+    table = relative_costs(table)
+    limit = float(budget) + 1e-9
+    if float(price.min(axis=1).sum()) > limit:
+        raise AllocMoeError(f"budget {budget:g} is below {price.min(axis=1).sum():.4g}, the cheapest option of "
+                            "every MoE layer")
+    front_cost, front_loss = np.zeros(1), np.zeros(1)            # the frontier after the layers so far
+    backs = []                                                   # per layer: (state it came from, option)
+    for i in range(table.shape[0]):
+        cost = (front_cost[:, None] + price[i][None, :]).ravel()  # [N * J]
+        loss = (front_loss[:, None] + table[i][None, :]).ravel()
+        fit = np.nonzero(cost <= limit)[0]
+        order = fit[np.lexsort((loss[fit], cost[fit]))]          # by cost, then loss
+        sorted_loss = loss[order]
+        best_before = np.concatenate(([np.inf], np.minimum.accumulate(sorted_loss)[:-1]))
+        keep = order[sorted_loss < best_before]                  # strictly better than every cheaper state
+        backs.append((keep // table.shape[1], keep % table.shape[1]))
+        front_cost, front_loss = cost[keep], loss[keep]
+    state = int(np.argmin(front_loss))                           # loss falls along the frontier: the last
+    choice = []
+    for parents, options in reversed(backs):
+        choice.append(int(options[state]))
+        state = int(parents[state])
+    return choice[::-1]

@@ -127,7 +127,7 @@ def analyze_plan(model, tokenizer, plan: Plan, windows: torch.Tensor, windows_pe
     counts, entropy = torch.cat(all_counts), torch.cat(all_entropy)
     varies = counts.std() > 0
     result = {
-        "model": fingerprint, "plan": {"method": plan.method, "budget": plan.budget},
+        "model": fingerprint, "plan": {"method": plan.method, "budget": plan.budget, "cost": plan.cost()},
         "tokens": int(windows.numel()),
         "experts_vs_entropy": {"pearson": pearson(counts, entropy) if varies else None,
                                "spearman": spearman(counts, entropy) if varies else None,

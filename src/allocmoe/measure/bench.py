@@ -308,12 +308,13 @@ class _Rounds:
     samples: dict[str, dict[str, list[float]]]   # configuration -> "prefill" / "decode" -> seconds per round
     tokens: dict[str, torch.Tensor]              # configuration -> the tokens its last round chose [B, steps + 1]
     activations_per_token: float                 # the plan's, measured over every call it ran
+    cost_per_token: float | None = None          # the same with its stand-ins' activation-equivalents added
 
 
 def _timed_rounds(model, ids: torch.Tensor, lineup: _Lineup, config: BenchConfig, progress: bool) -> _Rounds:
     """Warm-up and timed rounds; in each, the configurations take turns call by call (prefill, then each
     decode step), in an order that reverses between rounds, so drift on a shared host falls on all alike."""
-    spent = {"activations": 0.0, "tokens": 0}     # the plan's, over every call it ran
+    spent = {"activations": 0.0, "cost": 0.0, "tokens": 0}     # the plan's, over every call it ran
 
     @contextlib.contextmanager
     def configured(name):
@@ -329,6 +330,8 @@ def _timed_rounds(model, ids: torch.Tensor, lineup: _Lineup, config: BenchConfig
                 if name == "plan":
                     tokens = handle.tokens_seen()
                     spent["activations"] += handle.activations_per_token() * tokens
+                    cost = lineup.plans[name].measured_cost(handle.layer_activations())
+                    spent["cost"] = None if cost is None or spent["cost"] is None else spent["cost"] + cost * tokens
                     spent["tokens"] += tokens
 
     def take_turns(order, call) -> dict[str, float]:
@@ -359,7 +362,8 @@ def _timed_rounds(model, ids: torch.Tensor, lineup: _Lineup, config: BenchConfig
                     samples[name]["prefill"].append(prefill[name])
                     samples[name]["decode"].append(decode[name])
     return _Rounds(samples, {name: torch.cat(gens[name].tokens, dim=1) for name in names},
-                   spent["activations"] / max(spent["tokens"], 1))
+                   spent["activations"] / max(spent["tokens"], 1),
+                   None if spent["cost"] is None else spent["cost"] / max(spent["tokens"], 1))
 
 
 def _summarise(plan: Plan, config: BenchConfig, fingerprint: dict[str, Any], lineup: _Lineup, rounds: _Rounds,
@@ -374,10 +378,11 @@ def _summarise(plan: Plan, config: BenchConfig, fingerprint: dict[str, Any], lin
     decode_fraction = {name: counted[name]["distinct_experts_per_step"] / d_full for name in counted}
     timings = {n: {phase: _summary(v) for phase, v in phases.items()} for n, phases in samples.items()}
     result: dict[str, Any] = {"model": fingerprint, "synthetic": synthetic,
-                              "plan": {"method": plan.method, "budget": plan.budget,
+                              "plan": {"method": plan.method, "budget": plan.budget, "cost": plan.cost(),
                                        "max_distinct_experts": {str(i): p.max_experts for i, p in plan.layers.items()
                                                                 if isinstance(p, DistinctExperts)} or None},
                               "measured_activations_per_token": measured, "budget_fraction": fraction,
+                              "measured_cost_per_token": rounds.cost_per_token,
                               "decode_fraction": decode_fraction["plan"],
                               "settings": config.model_dump(),
                               "experts_kernel": None,

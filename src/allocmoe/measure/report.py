@@ -29,7 +29,8 @@ def markdown_table(results: dict[str, Any]) -> str:
         f"layers, {model['num_experts']} experts, K={model['k_orig']}); full model perplexity "
         f"**{full['perplexity']:.3f}** at {full['activations_per_token']:g} activations/token.",
         f"Perplexity on {ev['text']} ({ev['tokens']:,} tokens, windows of {ev['seq_len']}, batch {ev['batch_size']}); "
-        f"cells show perplexity (relative change) [measured activations/token].",
+        f"cells show perplexity (relative change) [measured activations/token; with stand-ins, + their "
+        f"activation-equivalents = the cost per token the budget bounds].",
         f"Machine: {env.get('machine', '?')}, {env.get('torch_threads', '?')} threads, torch {env.get('torch', '?')}, "
         f"transformers {env.get('transformers', '?')}; sweep took {results.get('seconds', 0):.0f} s.",
         "",
@@ -44,7 +45,7 @@ def markdown_table(results: dict[str, Any]) -> str:
                 cells.append("")
                 continue
             best = min(x["perplexity"] for x in rows if x["budget"] == b)
-            text = f"{r['perplexity']:.3f} ({r['relative_change']:+.1%}) [{r['activations_per_token']:.2f}]"
+            text = f"{r['perplexity']:.3f} ({r['relative_change']:+.1%}) [{_spent(r)}]"
             cells.append(f"**{text}**" if r["perplexity"] == best else text)
         lines.append(f"| {method} | " + " | ".join(cells) + " |")
     if any("tasks" in r for r in rows):
@@ -60,9 +61,17 @@ def markdown_table(results: dict[str, Any]) -> str:
     autos = [r for r in rows if r.get("auto_choice")]
     if autos:
         lines += ["", "auto chose: " + "; ".join(
-            f"B={r['budget_activations']:g}: {r['auto_choice']['method']} (k_base={r['auto_choice']['k_base']})"
+            f"B={r['budget_activations']:g}: {r['auto_choice']['method']} (k_base={r['auto_choice']['k_base']}"
+            + (", stand-ins where the (k, stand-in) DP put them" if r["auto_choice"].get("menu")
+               else ", stand-ins on every layer" if r["auto_choice"].get("substitute") else "") + ")"
             for r in autos)]
     return "\n".join(lines) + "\n"
+
+
+def _spent(row: dict[str, Any]) -> str:
+    """A row's measured activations per token and, where stand-ins cost more, the total it spent."""
+    acts, cost = row["activations_per_token"], row.get("cost_per_token")
+    return f"{acts:.2f}" if cost is None or abs(cost - acts) < 5e-3 else f"{acts:.2f} + {cost - acts:.2f} = {cost:.2f}"
 
 
 def save_png(fig, path: Path) -> None:

@@ -333,11 +333,13 @@ class _RowWork:
         with apply_plan(model, plan) as handle:
             result = evaluate_perplexity(model, tokenizer, "", self.ppl_config, windows=self.eval_windows)
             measured = handle.activations_per_token()
+            measured_cost = plan.measured_cost(handle.layer_activations())
             task_scores = self.tasks(model, tokenizer) if self.config.tasks else None
         row = {"method": method, "budget": round(budget.fraction, 6),
                "budget_activations": budget.activations_per_token, "perplexity": result.perplexity,
                "relative_change": None,
                "activations_per_token": measured,
+               "cost_per_token": measured_cost,
                "k_per_layer": [plan.layers[i].k for i in fingerprint["moe_layers"]]}
         if task_scores is not None:
             row["tasks"] = task_scores

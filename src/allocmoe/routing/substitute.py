@@ -129,7 +129,9 @@ def fold_substitute(plan: Plan, index: int, device) -> LayerSubstitute | None:
     if any(isinstance(policy, DistinctExperts) for policy in plan.layers.values()):
         raise AllocMoeError("a distinct-expert plan cannot carry a substitute (its steps choose experts outside a "
                             "token's own top-K); make the plan without --substitute")
-    means = plan.means.means[index]
+    means = plan.means.means.get(index)
+    if means is None:                 # a layer the plan gives no stand-in
+        return None
     term = (plan.means.linear or {}).get(index)
     if term is None:
         return LayerSubstitute(offset=means.to(device))

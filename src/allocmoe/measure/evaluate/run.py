@@ -65,9 +65,11 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
         steps = _decode_steps(handle, decode_batch, fill) if decode_batch else {}
         if handle is None:
             measured, per_layer = full, {str(i): float(fingerprint["k_orig"]) for i in fingerprint["moe_layers"]}
+            measured_cost = full
         else:
             measured = handle.activations_per_token()
             per_layer = {str(i): v for i, v in handle.layer_activations().items()}
+            measured_cost = counted.measured_cost(handle.layer_activations())
         task_results = task_items = None
         if tasks:
             from .harness import score_tasks
@@ -79,7 +81,8 @@ def evaluate_model(model: str | os.PathLike | None = None, plan: str | os.PathLi
     extra = {"tasks": task_results, "task_items": task_items} if tasks else {}
     return {**result.to_dict(), **extra, "activations_per_token": measured, "full_activations_per_token": full,
             "budget_fraction_measured": measured / full, "activations_per_layer": per_layer, **steps,
-            "plan": None if plan is None else {"method": plan.method, "budget": plan.budget},
+            "cost_per_token": measured_cost,
+            "plan": None if plan is None else {"method": plan.method, "budget": plan.budget, "cost": plan.cost()},
             "text": text_name, "model": fingerprint}
 
 

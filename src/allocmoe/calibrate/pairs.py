@@ -1,0 +1,91 @@
+"""The (k, stand-in) profile: where a layer's stand-ins are worth what they cost.
+
+Alloc-L's isolating profile (profile.py), each cell measured with and without the substitute's
+stand-ins on its layer: MoE layer i at k, layers before it at K_orig, deeper layers at top-1, and a
+stand-in (if any) on layer i alone. `auto` hands both tables to the exact DP over each layer's menu of
+(k, stand-in) pairs (core/solver.py solve_menu_allocation), whose costs are k plus the stand-ins'
+activation-equivalents (core/budget.py), so it buys a layer's stand-ins only where they lower the loss
+more than the activations they displace would.
+
+Both tables come from the same calibration windows, through the same cells code (cells.py, prefix-cached
+as the profile is: each cell starts from the held states of its first reduced layer). Cells that
+coincide run once: (i, K_orig) with a stand-in is (i, K_orig) without it (nothing is skipped) and
+(i, K_orig) is (i + 1, 1): L*K - (L-1) plain cells and L*(K-1) with a stand-in. The tables are kept on
+the model, keyed by the windows, the means' rank, tokens and layers (auto measures the means on the
+same windows) and the batching, so a sweep's budgets measure them once.
+Not resumable and not on Ray or layer by layer (the profile is): a (k, stand-in) profile is one
+calibration pass per cell of the model as loaded.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any
+
+import torch
+
+from ..core.means import ExpertMeans
+from ..routing.apply import static_plan
+from ..routing.layout import model_fingerprint
+from ..scoring.perplexity import evaluate_perplexity
+from .cells import CellBar, CellRun
+from .prefix import profile_start_layer, start_position
+from .profile import profile_cells
+
+MEMO_ATTR = "_allocmoe_pair_profiles"     # on the model: {key: tables}, the tables a sweep's budgets share
+
+
+def pair_profile(model, windows: torch.Tensor, means: ExpertMeans, windows_per_pass: int,
+                 progress: bool = False) -> dict[str, Any]:
+    """{"plain": S[i][k-1], "standin": S'[i][k-1]} on `windows`, for MoE layer i (in MoE-layer order) and
+    k in 1..K_orig: calibration perplexity of cell (i, k) without and with stand-ins on layer i alone;
+    "cells" and "layer_passes" say what it ran. Memoised on the model (module docstring)."""
+    key = (hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), means.tokens, means.rank, tuple(sorted(means.means)),
+           windows_per_pass)
+    memo = model.__dict__.setdefault(MEMO_ATTR, {})
+    if key not in memo:
+        memo[key] = _measure(model, windows, means, windows_per_pass, progress)
+    return memo[key]
+
+
+def _measure(model, windows, means: ExpertMeans, windows_per_pass: int, progress: bool) -> dict[str, Any]:
+    fingerprint = model_fingerprint(model)
+    num_layers, k_orig, moe_layers = fingerprint["num_moe_layers"], fingerprint["k_orig"], fingerprint["moe_layers"]
+    plain = profile_cells(num_layers, k_orig)                       # configuration -> the (i, k) it fills
+    cells = [(cfg, None) for cfg in plain]
+    cells += [(tuple([k_orig] * i + [k] + [1] * (num_layers - i - 1)), i)
+              for i in range(num_layers) for k in range(1, k_orig) if moe_layers[i] in means.means]
+    start = profile_start_layer(moe_layers, k_orig)
+    ppl_config = {"windows_per_pass": windows_per_pass, "progress": False}
+
+    def plan_for(cell):
+        cfg, standin = cell
+        plan = static_plan(model, list(cfg), method="profile")
+        if standin is not None:
+            plan.means = means.restricted([moe_layers[standin]])
+        return plan
+
+    run = CellRun(model, windows, windows_per_pass, cells, start_layer=lambda cell: start(cell[0]),
+                  plan_for=plan_for,
+                  score=lambda: evaluate_perplexity(model, None, "", ppl_config, windows=windows).perplexity,
+                  label=lambda cell: f"MoE layer {start_position(cell[0], k_orig) + 1}/{num_layers}"
+                                     + (" + stand-in" if cell[1] is not None else ""))
+    bar = CellBar(total=len(cells), desc="k x stand-in", unit="cell", disable=not progress,
+                  work_total=run.planned_passes())
+    found = {}
+    try:
+        for cell, ppl in run.cells(bar):
+            found[cell] = ppl
+            bar.update(1)
+    finally:
+        bar.close()
+        run.release()
+    table = {"plain": [[0.0] * k_orig for _ in range(num_layers)]}
+    for cfg, filled in plain.items():
+        for i, k in filled:
+            table["plain"][i][k - 1] = found[(cfg, None)]
+    # a layer without means (none here: auto measures every layer's) would keep its plain row
+    table["standin"] = [[found.get((tuple([k_orig] * i + [k] + [1] * (num_layers - i - 1)), i),
+                                   table["plain"][i][k - 1]) for k in range(1, k_orig + 1)] for i in range(num_layers)]
+    return {**table, "cells": len(cells), "layer_passes": run.passes}
+
