@@ -1,0 +1,166 @@
+"""The elastic budget in vLLM (`ALLOCMOE_LATENCY_TARGET_MS=T`, issue 38 item 2): per step, requests that
+name no plan run the richest plan of a ladder whose predicted step time for the step's size meets T.
+
+    ALLOCMOE_PLANS=b3=p3.json,b2=p2.json ALLOCMOE_LATENCY_TARGET_MS=50 vllm serve MODEL
+    ALLOCMOE_LADDER=b3,b2       # optional: the ladder's plans (default: every ALLOCMOE_PLANS plan)
+    ALLOCMOE_RECORD_PLANS=1     # optional: note each request's plan per step (`read_elastic`)
+
+The ladder's top is the plan of requests that name none (ALLOCMOE_PLAN, else the full model), then
+the ladder's plans by budget, each below the top's. The controller is allocmoe's own
+(`core/elastic.py`, as `allocmoe serve --latency-target-ms`); here a step's size is the tokens vLLM
+scheduled in it (a decoding request is one token, a prompt chunk its tokens), and its time is measured
+in the worker: from the model runner's `execute_model` to the end of its `sample_tokens` (the pass),
+and from the previous step's end to this one's when the step continues a request of the previous one
+(what a token waits, scheduling and output handling between steps included). Per request
+(`SamplingParams.extra_args` / `vllm_xargs`): `allocmoe_plan` keeps that plan, `allocmoe_elastic:
+false` keeps the top rung, `allocmoe_min_budget` (a fraction or a count, as `--budget`) is a floor.
+
+`clock` is the clock the worker measures with; a test may replace it (a clock only the model moves).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections import deque
+
+from ..core.elastic import Controller, Rung, check_target
+from ..errors import AllocMoeError
+
+ENV_TARGET, ENV_LADDER, ENV_RECORD = "ALLOCMOE_LATENCY_TARGET_MS", "ALLOCMOE_LADDER", "ALLOCMOE_RECORD_PLANS"
+XARG_FLOOR, XARG_ELASTIC = "allocmoe_min_budget", "allocmoe_elastic"
+
+clock = time.perf_counter          # read at every call, so a test may set vllm_elastic.clock
+
+
+def parse_target(text: str) -> float:
+    """ALLOCMOE_LATENCY_TARGET_MS -> seconds, or a one-line refusal."""
+    try:
+        ms = float(text)
+    except ValueError:
+        ms = math.nan
+    try:
+        check_target(ms / 1000)
+    except AllocMoeError:
+        raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_TARGET}={text!r} must be a number of milliseconds "
+                            "above 0; give e.g. 50, or unset it") from None
+    return ms / 1000
+
+
+def parse_ladder(text: str) -> list[str] | None:
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    return names or None
+
+
+def make_rungs(names: list[str], plans: list, ladder: list[str] | None) -> list[Rung]:
+    """The rungs, richest first: index 0 (the plan of requests naming none, `plans[0]`, None for the full
+    model), then the ladder's plans (default: every named plan) by budget, each below the top's."""
+    full = next((p.full_budget for p in plans if p is not None), None)
+    top = Rung(0, names[0], float(plans[0].budget if plans[0] is not None else full))
+    chosen = ladder if ladder is not None else names[1:]
+    unknown = [n for n in chosen if n not in names[1:]]
+    if unknown:
+        raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_LADDER} names {', '.join(map(repr, unknown))}, not in "
+                            f"ALLOCMOE_PLANS ({', '.join(names[1:]) or 'none'}); give names from ALLOCMOE_PLANS")
+    if len(set(chosen)) != len(chosen):
+        raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_LADDER} names a plan twice; give each once")
+    rungs = [Rung(names.index(n), n, float(plans[names.index(n)].budget)) for n in chosen]
+    above = [r.name for r in rungs if r.activations >= top.activations - 1e-9]
+    if above or not rungs:
+        what = (f"plans {', '.join(above)} spend" if above else "no plan below it:")
+        raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_TARGET} needs a ladder of plans below the top "
+                            f"({top.name}: {top.activations:g} activations per token); {what} "
+                            f"{'as much or more' if above else 'give ALLOCMOE_PLANS (or ' + ENV_LADDER + ') with smaller budgets'}")
+    return [top] + sorted(rungs, key=lambda r: -r.activations)
+
+
+def request_floor(extra_args, plans: list, named: bool) -> float | None:
+    """A request's floor in activations per token (None: none), refusing what cannot apply (`named`: the
+    request names a plan)."""
+    from ..core.budget import Budget
+
+    args = extra_args or {}
+    floor, elastic = args.get(XARG_FLOOR), args.get(XARG_ELASTIC, True)
+    if not isinstance(elastic, bool):
+        raise AllocMoeError(f"{XARG_ELASTIC} must be true or false, got {elastic!r}")
+    if floor is None:
+        return None
+    if named:
+        raise AllocMoeError(f"{XARG_FLOOR} applies to requests the server may step down under load; this one "
+                            "names a plan, which it keeps: drop one of them")
+    if not elastic:
+        raise AllocMoeError(f"{XARG_FLOOR} applies only to elastic requests; drop it or {XARG_ELASTIC}: false")
+    if isinstance(floor, bool) or not isinstance(floor, (int, float, str)):
+        raise AllocMoeError(f"{XARG_FLOOR} must be a number or a string such as '1/2', got {floor!r}")
+    plan = next(p for p in plans if p is not None)
+    return Budget.parse(str(floor), plan.full_budget // plan.k_orig, plan.k_orig).activations_per_token
+
+
+class VllmElastic(Controller):
+    """The controller in one vLLM worker: `choose` in the runner's `_prepare_inputs` (the step's requests
+    are known there), `begin`/`end` around the step; the step log and, with recording, each request's
+    plans per step, for `read_elastic`."""
+
+    def __init__(self, rungs: list[Rung], target_seconds: float, names: list[str], plans: list,
+                 record: bool = False, history: int = 4096):
+        super().__init__(rungs, target_seconds)
+        self.names, self.plans, self.record = names, plans, record
+        self.steps: deque[list] = deque(maxlen=history)      # [tokens, requests, rung, predicted, measured]
+        self.recorded: dict[str, list[list]] = {}             # request id -> [[plan name, steps], ...]
+        self._pending: tuple[int, int, int, float | None] | None = None
+        self._start: float | None = None
+        self._last: tuple[float, set[str]] | None = None      # the previous step's end and its requests
+        self._ids: list[str] = []                               # the requests of the step in progress
+
+    def begin(self) -> None:
+        self._start = clock()
+
+    def plan_of(self, extra_args, named: int | None, rung: int) -> int:
+        """The plan index of one request in a step decided at `rung`."""
+        if named is not None:
+            return named
+        if not (extra_args or {}).get(XARG_ELASTIC, True):
+            return self.rungs[0].index
+        return self.rungs[min(rung, self.floor(request_floor(extra_args, self.plans, False)))].index
+
+    def choose(self, requests: list[tuple[str, int, object, int | None]], agree=lambda rung: rung) -> list[int]:
+        """Plan indices for a step of (request id, its tokens, its extra_args, its named plan or None);
+        `agree` makes every tensor-parallel rank take rank 0's rung."""
+        tokens = sum(n for _, n, _, _ in requests)
+        rung, predicted = self.decide(tokens)
+        rung = agree(rung)
+        chosen = [self.plan_of(args, named, rung) for _, _, args, named in requests]
+        elastic = any(named is None and (args or {}).get(XARG_ELASTIC, True) for _, _, args, named in requests)
+        fixed = None if elastic else self.fixed_rung(set(chosen))
+        if elastic or fixed is not None:
+            at = rung if elastic else fixed
+            self._pending = (tokens, len(requests), at, predicted if elastic else self.times.predict(at, tokens))
+        else:
+            self._pending = None
+        self._ids = [rid for rid, _, _, _ in requests]
+        if self.record:
+            for (rid, _, _, _), index in zip(requests, chosen):
+                runs = self.recorded.setdefault(rid, [])
+                name = self.names[index]
+                if runs and runs[-1][0] == name:
+                    runs[-1][1] += 1
+                else:
+                    runs.append([name, 1])
+        return chosen
+
+    def end(self) -> None:
+        """The step's sampling finished: measure it and teach the controller."""
+        now, ids = clock(), set(self._ids)
+        pending, start, last = self._pending, self._start, self._last
+        self._pending, self._start, self._last = None, None, (now, ids)
+        if pending is None or start is None:
+            return
+        tokens, requests, rung, predicted = pending
+        interval = now - last[0] if last is not None and last[1] & ids else None
+        measured = self.learn(rung, tokens, now - start, interval)
+        self.steps.append([tokens, requests, rung, predicted, measured])
+
+    def report(self) -> dict:
+        return {"target": self.target, "rungs": [[r.name, r.activations] for r in self.rungs],
+                "steps": [list(s) for s in self.steps], "plans": {k: [list(r) for r in v]
+                                                                  for k, v in self.recorded.items()}}
