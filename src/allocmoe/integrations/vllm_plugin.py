@@ -101,11 +101,13 @@ class _Step:
     """Where each request's tokens sit in the current step, and which plan each follows."""
 
     def __init__(self):
-        self.segments: list[tuple[int, int, int]] = []     # (first token, end, plan index)
+        self.segments: list[tuple[int, int, int]] = []     # (first token, end, plan index); [] between steps
+        self.dummy = True                   # the last forward was a warm-up or dummy run, not a request's step
 
     def for_tokens(self, num_tokens: int) -> list[tuple[int, int, int]]:
         covered = self.segments[-1][1] if self.segments else 0
-        if covered != num_tokens:           # warm-up and dummy runs: every token under the default
+        self.dummy = covered != num_tokens
+        if self.dummy:                      # warm-up and dummy runs: every token under the default, uncounted
             return [(0, num_tokens, 0)]
         return self.segments
 
@@ -265,6 +267,15 @@ def _patch_runner(state: _State) -> None:
         return out
 
     GPUModelRunner._prepare_inputs = prepare_with_plans
+    execute = GPUModelRunner.execute_model
+
+    def execute_then_forget(self, *args, **kwargs):
+        try:
+            return execute(self, *args, **kwargs)
+        finally:            # a dummy run between steps (warm-up, capture) finds no segments: it is not counted
+            state.step.segments = []
+
+    GPUModelRunner.execute_model = execute_then_forget
     if state.elastic is not None:
         _time_steps(GPUModelRunner, state.elastic)
 
@@ -382,6 +393,7 @@ def _count_static(router, index: int, state: _State) -> None:
     @torch.compiler.disable
     def counted(hidden_states, router_logits, indices_type, *, input_ids=None):
         weights, ids = compute(hidden_states, router_logits, indices_type, input_ids=input_ids)
+        state.step.for_tokens(ids.size(0))
         counts = torch.full((ids.size(0),), ids.size(1))
         _add(state, index, [(0, ids.size(0), 0)], counts, ids.numel())
         return weights, ids
@@ -390,7 +402,10 @@ def _count_static(router, index: int, state: _State) -> None:
 
 
 def _add(state: _State, index: int, segments, counts, computed: int, loaded: list[int] | None = None) -> None:
-    """Count one layer's step: activations kept per plan, pairs the kernel computed, decode-step loads."""
+    """Count one layer's step: activations kept per plan, pairs the kernel computed, decode-step loads
+    (a warm-up or dummy run counts nothing)."""
+    if state.step.dummy:
+        return
     layer = state.layer_stats.setdefault(index, LayerCounts())
     for start, end, plan_index in segments:
         spent = int(counts[start:end].sum())
