@@ -100,16 +100,19 @@ def test_each_request_gets_its_plan_and_each_step_is_measured_and_recorded(monke
         elastic.end()
         return chosen
 
-    elastic_row = ("a", 7, None, None)
-    assert step([elastic_row], 0.020) == [0]                      # nothing measured: full
-    assert elastic.steps[-1] == [7, 1, 0, None, 0.020]            # idle before: the pass alone
-    # a big step: full at 40 tokens is predicted (in proportion from 7) far above T; the rung below
+    assert step([("a", 7, None, None)], 0.020) == [0]             # nothing measured: full
+    assert elastic.steps[-1] == [7, 1, 0, None, 0.020, False]     # idle before: the pass; a rung's first: not learnt
+    assert step([("a", 1, None, None)], 0.012, gap=0.004) == [0]
+    assert elastic.steps[-1] == [1, 1, 0, None, pytest.approx(0.016), True]    # "a" continues: from the last end
+    assert elastic.overhead[0] > 0                                 # the 4 ms wait is learnt apart from the pass
+    # a big step: full at 40 tokens is predicted (in proportion from 1 token) far above T; the rung below
     rows = [("a", 1, None, None), ("b", 30, {"allocmoe_elastic": False}, None), ("c", 5, None, 1),
             ("d", 4, {"allocmoe_min_budget": 0.75}, None)]
-    assert step(rows, 0.050, gap=0.004) == [2, 0, 1, 2]           # elastic at b3; opt-out full; named b2
-    assert elastic.steps[-1][:3] == [40, 4, 1]
-    assert elastic.steps[-1][4] == pytest.approx(0.054)           # "a" continues: from the previous end
-    assert elastic.overhead[0] > 0                                 # the 4 ms wait is learnt apart from the pass
+    assert step(rows, 0.050) == [2, 0, 1, 2]                      # elastic at b3; opt-out full; named b2
+    assert elastic.steps[-1][:3] == [40, 4, 1] and elastic.steps[-1][5] is False
+    assert step(rows, 0.050) == [2, 0, 1, 2] and elastic.steps[-1][5] is True   # b3 measured: 50 ms > T
+    # now b2 is tried, but not below a floor: "d" stays at b3
+    assert step(rows, 0.040) == [1, 0, 1, 2]
     # no elastic row, every row at one ladder plan: still measured, at that rung
     assert step([("c", 1, None, 1)], 0.010) == [1]
     assert elastic.steps[-1][:3] == [1, 1, 2]
@@ -117,9 +120,7 @@ def test_each_request_gets_its_plan_and_each_step_is_measured_and_recorded(monke
     n = len(elastic.steps)
     step([("c", 1, None, 1), ("b", 1, {"allocmoe_elastic": False}, None)], 0.010)
     assert len(elastic.steps) == n
-    # a floor at b2's budget lets its request go as far down as the step goes
-    assert step([("e", 50, {"allocmoe_min_budget": 0.5}, None)], 0.100)[0] == 1
     report = elastic.report()
-    assert report["plans"] == {"a": [["default", 1], ["b3", 1]], "b": [["default", 2]], "c": [["b2", 3]],
-                               "d": [["b3", 1]], "e": [["b2", 1]]}
+    assert report["plans"] == {"a": [["default", 2], ["b3", 2], ["b2", 1]], "b": [["default", 4]],
+                               "c": [["b2", 5]], "d": [["b3", 3]]}
     assert report["rungs"] == [["default", 4.0], ["b3", 3.0], ["b2", 2.0]]

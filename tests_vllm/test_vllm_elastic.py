@@ -74,19 +74,22 @@ def cost(tokens: int, plan: str) -> float:
 
 def test_at_low_load_the_request_alone_runs_full_and_under_load_steps_switch_by_size(runs, setup):
     eager = runs[0]
-    steps = eager["elastic"]["steps"]                      # [tokens, requests, rung, predicted, measured]
+    steps = eager["elastic"]["steps"]          # [tokens, requests, rung, predicted, measured, learnt from]
     assert eager["records"][0] == [["default", 12]]       # alone: every step at the full model
     alone, busy = steps[:12], steps[12:]
     assert [s[2] for s in alone] == [0] * 12 and all(s[4] <= TARGET_MS / 1000 for s in alone)
     assert busy[0][:2] == [sum(len(r["prompt_ids"]) for r in setup[4][1:]), 16]   # every prompt in one step
     rung_by_tokens = [(s[0], s[2]) for s in busy]
-    # a step whose full-model cost misses T never ran its elastic requests at full, and the smallest did
+    # a step whose full-model cost misses T never ran its elastic requests at full; as the batch shrank to
+    # 1 and 2 tokens a step, they went back to full (the full model is measured at 1 token only, so the
+    # controller, which never steps up on a guess, predicts it in proportion to the tokens: 24 ms at 2)
     assert all(rung >= 1 for tokens, rung in rung_by_tokens if tokens >= 11), rung_by_tokens
-    assert all(rung == 0 for tokens, rung in rung_by_tokens if tokens <= 4), rung_by_tokens
-    assert 0 in {rung for _, rung in rung_by_tokens} and len({rung for _, rung in rung_by_tokens}) >= 2
+    assert all(rung == 0 for tokens, rung in rung_by_tokens if tokens <= 2), rung_by_tokens
+    assert {rung for _, rung in rung_by_tokens} == {0, 1, 2}
+    assert [s[5] for s in steps].count(False) == 3          # each rung's first step is not learnt from
     # decode steps (one token per request) the controller predicted within T measured within T
     decode = [s for s in busy if s[0] == s[1] and s[3] is not None and s[3] <= TARGET_MS / 1000]
-    assert len(decode) >= 10 and all(s[4] <= TARGET_MS / 1000 + 1e-9 for s in decode), decode
+    assert len(decode) >= 8 and all(s[4] <= TARGET_MS / 1000 + 1e-9 for s in decode), decode
     # the elastic requests got less than full on average, the one alone the full model
     elastic = [i for i in range(1, 17) if i not in (FLOOR, OPTED_OUT, NAMED)]
     spent = [sum(BUDGETS[p] * n for p, n in eager["records"][i]) / sum(n for _, n in eager["records"][i])
@@ -128,10 +131,11 @@ def test_each_request_replayed_alone_with_its_recorded_plans_gives_vllms_tokens(
     folder, model, tok, files, requests = setup
     eager = runs[0]
     plans = {name: load_plan(files[name], model) for name in BUDGETS}
-    changed = [i for i, r in enumerate(eager["records"]) if len(r) >= 3]
-    assert len(changed) >= 3, eager["records"]                # requests that ran under three plans
+    three = [i for i, r in enumerate(eager["records"]) if len(r) >= 3]
+    two = [i for i, r in enumerate(eager["records"]) if len(r) == 2]
+    assert len(three) >= 2 and two, eager["records"]          # requests that ran under three plans, two
     teeth = 0
-    for i in changed[:3] + [FLOOR]:
+    for i in three[:2] + two[:1] + [FLOOR]:
         params = SamplingParams(max_new_tokens=requests[i]["max_tokens"], temperature=0, ignore_eos=True)
         alone = replay(model, tok, requests[i]["prompt_ids"], plans, eager["records"][i], params)
         assert alone.generated == eager["outputs"][i], (i, eager["records"][i])

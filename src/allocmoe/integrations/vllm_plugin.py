@@ -490,7 +490,7 @@ def _route_by_plans(runner, index: int, k_orig: int, state: _State) -> None:
 def read_elastic(worker=None) -> dict:
     """The elastic budget in this process (ALLOCMOE_LATENCY_TARGET_MS): {"target" (seconds), "rungs"
     ([name, activations per token], richest first), "steps" ([tokens, requests, rung, predicted seconds or
-    None, measured seconds] per measured step, the latest 4096), "plans" (ALLOCMOE_RECORD_PLANS=1: vLLM's
+    None, measured seconds, learnt from] per measured step, the latest 4096), "plans" (ALLOCMOE_RECORD_PLANS=1: vLLM's
     request id -> [[plan name, steps], ...], run-length, the first prompt step first)}; {} without a
     target. Call through `LLM.collective_rpc(read_elastic)` to read a worker's."""
     if _state is None or _state.elastic is None:
