@@ -101,16 +101,18 @@ def test_each_request_gets_its_plan_and_each_step_is_measured_and_recorded(monke
         return chosen
 
     assert step([("a", 7, None, None)], 0.020) == [0]             # nothing measured: full
-    assert elastic.steps[-1] == [7, 1, 0, None, 0.020, False]     # idle before: the pass; a rung's first: not learnt
+    assert elastic.steps[-1] == [7, 1, 0, None, 0.020, 0.020, False]   # a prompt's step: not a cell's time
     assert step([("a", 1, None, None)], 0.012, gap=0.004) == [0]
-    assert elastic.steps[-1] == [1, 1, 0, None, pytest.approx(0.016), True]    # "a" continues: from the last end
+    assert elastic.steps[-1] == [1, 1, 0, None, pytest.approx(0.012), pytest.approx(0.012), False]   # the rung's first decode step: not learnt
+    assert step([("a", 1, None, None)], 0.012, gap=0.004) == [0]
+    assert elastic.steps[-1] == [1, 1, 0, None, pytest.approx(0.016), pytest.approx(0.012), True]   # from the last decode's end
     assert elastic.overhead[0] > 0                                 # the 4 ms wait is learnt apart from the pass
-    # a big step: full at 40 tokens is predicted (in proportion from 1 token) far above T; the rung below
-    rows = [("a", 1, None, None), ("b", 30, {"allocmoe_elastic": False}, None), ("c", 5, None, 1),
-            ("d", 4, {"allocmoe_min_budget": 0.75}, None)]
+    # 4 requests: full, measured at 1 only, is predicted in proportion (48 ms > T); the rung below
+    rows = [("a", 1, None, None), ("b", 1, {"allocmoe_elastic": False}, None), ("c", 1, None, 1),
+            ("d", 1, {"allocmoe_min_budget": 0.75}, None)]
     assert step(rows, 0.050) == [2, 0, 1, 2]                      # elastic at b3; opt-out full; named b2
-    assert elastic.steps[-1][:3] == [40, 4, 1] and elastic.steps[-1][5] is False
-    assert step(rows, 0.050) == [2, 0, 1, 2] and elastic.steps[-1][5] is True   # b3 measured: 50 ms > T
+    assert elastic.steps[-1][:3] == [4, 4, 1] and elastic.steps[-1][6] is False
+    assert step(rows, 0.050) == [2, 0, 1, 2] and elastic.steps[-1][6] is True   # b3 measured: 50 ms > T
     # now b2 is tried, but not below a floor: "d" stays at b3
     assert step(rows, 0.040) == [1, 0, 1, 2]
     # no elastic row, every row at one ladder plan: still measured, at that rung
@@ -120,7 +122,9 @@ def test_each_request_gets_its_plan_and_each_step_is_measured_and_recorded(monke
     n = len(elastic.steps)
     step([("c", 1, None, 1), ("b", 1, {"allocmoe_elastic": False}, None)], 0.010)
     assert len(elastic.steps) == n
+    # a step carrying prompt tokens is decided by its requests (1: full) and not learnt
+    assert step([("e", 9, None, None)], 0.030) == [0] and elastic.steps[-1][6] is False
     report = elastic.report()
-    assert report["plans"] == {"a": [["default", 2], ["b3", 2], ["b2", 1]], "b": [["default", 4]],
-                               "c": [["b2", 5]], "d": [["b3", 3]]}
+    assert report["plans"] == {"a": [["default", 3], ["b3", 2], ["b2", 1]], "b": [["default", 4]],
+                               "c": [["b2", 5]], "d": [["b3", 3]], "e": [["default", 1]]}
     assert report["rungs"] == [["default", 4.0], ["b3", 3.0], ["b2", 2.0]]

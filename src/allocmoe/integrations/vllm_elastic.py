@@ -7,11 +7,14 @@ name no plan run the richest plan of a ladder whose predicted step time for the 
 
 The ladder's top is the plan of requests that name none (ALLOCMOE_PLAN, else the full model), then
 the ladder's plans by budget, each below the top's. The controller is allocmoe's own
-(`core/elastic.py`, as `allocmoe serve --latency-target-ms`); here a step's size is the tokens vLLM
-scheduled in it (a decoding request is one token, a prompt chunk its tokens), and its time is measured
-in the worker: from the model runner's `execute_model` to the end of its `sample_tokens` (the pass),
-and from the previous step's end to this one's when the step continues a request of the previous one
-(what a token waits, scheduling and output handling between steps included). Per request
+(`core/elastic.py`, as `allocmoe serve --latency-target-ms`), keyed as there by the step's size in
+requests. T is a time per output token: a decode step (one token per request) is measured in the
+worker from the previous decode step's end to its own when it continues one of its requests (so a
+step between them that carried prompt tokens, and scheduling and output handling, count as the wait
+its tokens saw, learnt apart from the pass), else from the model runner's `execute_model` to the end
+of its `sample_tokens` (the pass). A step carrying prompt tokens is decided by its requests too, and
+is not learnt as a cell (its time depends on its prompt tokens, which the cell does not know).
+Per request
 (`SamplingParams.extra_args` / `vllm_xargs`): `allocmoe_plan` keeps that plan, `allocmoe_elastic:
 false` keeps the top rung, `allocmoe_min_budget` (a fraction or a count, as `--budget`) is a floor.
 
@@ -99,20 +102,21 @@ def request_floor(extra_args, plans: list, named: bool) -> float | None:
 class VllmElastic(Controller):
     """The controller in one vLLM worker: `choose` in the runner's `_prepare_inputs` (the step's requests
     are known there), `begin`/`end` around the step; the step log and, with recording, each request's
-    plans per step, for `read_elastic`. Each rung's first step is measured but not learnt from: on vLLM
-    CPU a plan's first step paid one-time set-up (a fresh engine's first step took 2.8 s where the next
-    took 9 ms; the first under a ladder plan 43 ms, then 9), and the controller never steps up on a guess
-    to undo a cell measured that high."""
+    plans per step, for `read_elastic`. Each rung's first decode step is measured but not learnt from: on
+    vLLM CPU a plan's first step paid one-time set-up (a fresh engine's first step took 2.8 s where the
+    next took 9 ms; the first under a ladder plan 43 ms, then 9), and the controller never steps up on a
+    guess to undo a cell measured that high."""
 
     def __init__(self, rungs: list[Rung], target_seconds: float, names: list[str], plans: list,
                  record: bool = False, history: int = 4096):
         super().__init__(rungs, target_seconds)
         self.names, self.plans, self.record = names, plans, record
-        self.steps: deque[list] = deque(maxlen=history)      # [tokens, requests, rung, predicted, measured]
+        # [tokens, requests, rung, predicted, per output token, pass, learnt from] of each step at one rung
+        self.steps: deque[list] = deque(maxlen=history)
         self.recorded: dict[str, list[list]] = {}             # request id -> [[plan name, steps], ...]
         self._pending: tuple[int, int, int, float | None] | None = None
         self._start: float | None = None
-        self._last: tuple[float, set[str]] | None = None      # the previous step's end and its requests
+        self._last: tuple[float, set[str]] | None = None      # the previous decode step's end, its requests
         self._ids: list[str] = []                               # the requests of the step in progress
         self._seen: set[int] = set()                            # rungs that ran a step (the first is not learnt)
 
@@ -130,17 +134,14 @@ class VllmElastic(Controller):
     def choose(self, requests: list[tuple[str, int, object, int | None]], agree=lambda rung: rung) -> list[int]:
         """Plan indices for a step of (request id, its tokens, its extra_args, its named plan or None);
         `agree` makes every tensor-parallel rank take rank 0's rung."""
-        tokens = sum(n for _, n, _, _ in requests)
-        rung, predicted = self.decide(tokens)
+        tokens, rows = sum(n for _, n, _, _ in requests), len(requests)
+        rung, predicted = self.decide(rows)
         rung = agree(rung)
         chosen = [self.plan_of(args, named, rung) for _, _, args, named in requests]
         elastic = any(named is None and (args or {}).get(XARG_ELASTIC, True) for _, _, args, named in requests)
-        fixed = None if elastic else self.fixed_rung(set(chosen))
-        if elastic or fixed is not None:
-            at = rung if elastic else fixed
-            self._pending = (tokens, len(requests), at, predicted if elastic else self.times.predict(at, tokens))
-        else:
-            self._pending = None
+        at = rung if elastic else self.fixed_rung(set(chosen))
+        predicted = predicted if elastic or at is None else self.times.predict(at, rows)
+        self._pending = (tokens, rows, at, predicted)
         self._ids = [rid for rid, _, _, _ in requests]
         if self.record:
             for (rid, _, _, _), index in zip(requests, chosen):
@@ -153,21 +154,25 @@ class VllmElastic(Controller):
         return chosen
 
     def end(self) -> None:
-        """The step's sampling finished: measure it and teach the controller."""
-        now, ids = clock(), set(self._ids)
-        pending, start, last = self._pending, self._start, self._last
-        self._pending, self._start, self._last = None, None, (now, ids)
+        """The step's sampling finished: measure it and teach the controller. A decode step (one token per
+        request) measures its rung at its size, from the previous decode step's end when it continues one
+        of its requests (so a step between them that carried prompt tokens counts as the wait, learnt
+        apart from the pass, as `allocmoe serve` counts a prefill pass), else its pass alone."""
+        now, ids, pending, start = clock(), set(self._ids), self._pending, self._start
+        self._pending = self._start = None
         if pending is None or start is None:
             return
-        tokens, requests, rung, predicted = pending
-        interval = now - last[0] if last is not None and last[1] & ids else None
-        first = rung not in self._seen
-        if first:           # a plan's first step pays one-time set-up (vLLM CPU's first step: 2.8 s, not 24 ms)
-            self._seen.add(rung)
-            measured = now - start if interval is None else interval
-        else:
-            measured = self.learn(rung, tokens, now - start, interval)
-        self.steps.append([tokens, requests, rung, predicted, measured, not first])
+        tokens, rows, rung, predicted = pending
+        decode, last = tokens == rows, self._last
+        if decode:
+            self._last = (now, ids)
+        interval = now - last[0] if decode and last is not None and last[1] & ids else None
+        learnt = decode and rung is not None and rung in self._seen
+        if decode and rung is not None:
+            self._seen.add(rung)    # a plan's first step pays one-time set-up: 43 ms, then 9, on vLLM CPU
+        measured = self.learn(rung, rows, now - start, interval) if learnt else (interval or now - start)
+        if rung is not None:
+            self.steps.append([tokens, rows, rung, predicted, measured, now - start, learnt])
 
     def report(self) -> dict:
         return {"target": self.target, "rungs": [[r.name, r.activations] for r in self.rungs],
