@@ -2,7 +2,7 @@
 
 One vLLM engine, in this test's subprocess, serves two waves: one request alone, then 16 at once
 (one with a floor, one opted out, one naming a plan) whose lengths differ, so the steps shrink from
-16 tokens to 1. The plugin's clock is moved only by the model's forward passes (`vllm_run.py
+16 requests to 1. The plugin's clock is moved only by the model's forward passes (`vllm_run.py
 --cost-clock`): a step costs FIXED plus PER_TOKEN x each token's plan budget / full, so every
 assertion is on the plugin's own measured and predicted times, never on the wall clock. Under that
 cost the full model meets T up to 10 requests a decode step, 3/4 of the budget up to 14, 1/2 up to 21.

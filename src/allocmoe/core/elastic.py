@@ -3,7 +3,7 @@ size), and the choice of the richest rung whose predicted step time meets a targ
 
 Two servers use it: allocmoe's own (`serve/elastic.py`, `allocmoe serve --latency-target-ms`), where a
 step's size is its batch's rows, and the vLLM plugin (`integrations/vllm_elastic.py`,
-`ALLOCMOE_LATENCY_TARGET_MS`), where it is the step's scheduled tokens. Each measures its own steps and
+`ALLOCMOE_LATENCY_TARGET_MS`), where it is the step's requests. Each measures its own steps and
 hands the seconds here; nothing here reads a clock or a model.
 
 The prediction is `StepTimes`: an EWMA of a step's seconds per (rung, size) plus an EWMA of its
