@@ -70,11 +70,15 @@ def test_request_floors_and_what_they_may_not_go_with():
     assert request_floor(None, PLANS, False) is None
     assert request_floor({"allocmoe_min_budget": 0.75}, PLANS, False) == 3
     assert request_floor({"allocmoe_min_budget": "1/2"}, PLANS, False) == 2
+    assert request_floor({"allocmoe_min_budget": 0.5, "allocmoe_elastic": 1}, PLANS, False) == 2
     for args, named, said in (({"allocmoe_min_budget": 0.5}, True, "names a plan"),
                               ({"allocmoe_min_budget": 0.5, "allocmoe_elastic": False}, False, "only to elastic"),
                               ({"allocmoe_min_budget": True}, False, "must be a number"),
                               ({"allocmoe_min_budget": 9}, False, "above the full budget"),
-                              ({"allocmoe_elastic": "no"}, False, "true or false")):
+                              ({"allocmoe_elastic": "no"}, False, "true or false"),
+                              ({"allocmoe_elastic": 2}, False, "true or false"),
+                              ({"allocmoe_min_budget": 0.5, "allocmoe_elastic": 0}, False, "only to elastic"),
+                              ({"allocmoe_min_budget": 0.5, "allocmoe_elastic": "false"}, False, "only to elastic")):
         with pytest.raises(AllocMoeError, match=said):
             request_floor(args, PLANS, named)
 
@@ -108,7 +112,7 @@ def test_each_request_gets_its_plan_and_each_step_is_measured_and_recorded(monke
     assert elastic.steps[-1] == [1, 1, 0, None, pytest.approx(0.016), pytest.approx(0.012), True]   # from the last decode's end
     assert elastic.overhead[0] > 0                                 # the 4 ms wait is learnt apart from the pass
     # 4 requests: full, measured at 1 only, is predicted in proportion (48 ms > T); the rung below
-    rows = [("a", 1, None, None), ("b", 1, {"allocmoe_elastic": False}, None), ("c", 1, None, 1),
+    rows = [("a", 1, None, None), ("b", 1, {"allocmoe_elastic": 0}, None), ("c", 1, None, 1),   # 0: vllm_xargs' false
             ("d", 1, {"allocmoe_min_budget": 0.75}, None)]
     assert step(rows, 0.050) == [2, 0, 1, 2]                      # elastic at b3; opt-out full; named b2
     assert elastic.steps[-1][:3] == [4, 4, 1] and elastic.steps[-1][6] is False

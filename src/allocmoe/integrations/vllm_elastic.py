@@ -77,15 +77,23 @@ def make_rungs(names: list[str], plans: list, ladder: list[str] | None) -> list[
     return [top] + sorted(rungs, key=lambda r: -r.activations)
 
 
+def opted_in(extra_args) -> bool:
+    """`allocmoe_elastic` (default true). vLLM's HTTP `vllm_xargs` takes only strings and numbers, so a
+    JSON false arrives as 0: 0/1 and "false"/"true" are read as the booleans."""
+    value = (extra_args or {}).get(XARG_ELASTIC, True)
+    read = {"true": True, "false": False}.get(value.lower()) if isinstance(value, str) else \
+        value if isinstance(value, bool) else bool(value) if value in (0, 1) else None
+    if read is None:
+        raise AllocMoeError(f"{XARG_ELASTIC} must be true or false (or 1 or 0), got {value!r}")
+    return read
+
+
 def request_floor(extra_args, plans: list, named: bool) -> float | None:
     """A request's floor in activations per token (None: none), refusing what cannot apply (`named`: the
     request names a plan)."""
     from ..core.budget import Budget
 
-    args = extra_args or {}
-    floor, elastic = args.get(XARG_FLOOR), args.get(XARG_ELASTIC, True)
-    if not isinstance(elastic, bool):
-        raise AllocMoeError(f"{XARG_ELASTIC} must be true or false, got {elastic!r}")
+    floor, elastic = (extra_args or {}).get(XARG_FLOOR), opted_in(extra_args)
     if floor is None:
         return None
     if named:
@@ -127,7 +135,7 @@ class VllmElastic(Controller):
         """The plan index of one request in a step decided at `rung`."""
         if named is not None:
             return named
-        if not (extra_args or {}).get(XARG_ELASTIC, True):
+        if not opted_in(extra_args):
             return self.rungs[0].index
         return self.rungs[min(rung, self.floor(request_floor(extra_args, self.plans, False)))].index
 
@@ -138,7 +146,7 @@ class VllmElastic(Controller):
         rung, predicted = self.decide(rows)
         rung = agree(rung)
         chosen = [self.plan_of(args, named, rung) for _, _, args, named in requests]
-        elastic = any(named is None and (args or {}).get(XARG_ELASTIC, True) for _, _, args, named in requests)
+        elastic = any(named is None and opted_in(args) for _, _, args, named in requests)
         at = rung if elastic else self.fixed_rung(set(chosen))
         predicted = predicted if elastic or at is None else self.times.predict(at, rows)
         self._pending = (tokens, rows, at, predicted)
