@@ -8,6 +8,7 @@ REQUESTS.json: [{"prompt_ids": [...], "max_tokens": N, "plan": NAME or null, "ex
 "wave": W (default 0)}, ...]; each wave's requests are sent in one `LLM.generate` call, so vLLM
 batches them together, the waves one after another. Output: {"outputs": [[token ids], ...],
 "request_ids": [vLLM's id of each request], "elastic": what the plugin's elastic budget saw (read_elastic),
+"worker_elastic": the same from every worker,
 "logprobs": [[{token id: logprob} of the 5 likeliest and the chosen token, per generated token], ...],
 "stats": what the plugin counted in the worker (ALLOCMOE_STATS=1), or null, "worker_stats": the
 same from every worker (one per tensor-parallel rank)}.
@@ -88,12 +89,13 @@ def main() -> None:
         from allocmoe.integrations.vllm_plugin import read_elastic, read_stats
 
         worker_stats = llm.collective_rpc(read_stats)
-        elastic = llm.collective_rpc(read_elastic)[0]
+        worker_elastic = llm.collective_rpc(read_elastic)
     except Exception as exc:          # no plugin state in the worker: report it, the test decides
-        worker_stats, elastic = [{"error": f"{type(exc).__name__}: {exc}"}], None
+        worker_stats, worker_elastic = [{"error": f"{type(exc).__name__}: {exc}"}], [None]
     logprobs = [[{str(t): p.logprob for t, p in step.items()} for step in o.outputs[0].logprobs] for o in outputs]
     print("RESULT " + json.dumps({"outputs": [list(o.outputs[0].token_ids) for o in outputs], "logprobs": logprobs,
-                                  "request_ids": [o.request_id for o in outputs], "elastic": elastic,
+                                  "request_ids": [o.request_id for o in outputs], "elastic": worker_elastic[0],
+                                  "worker_elastic": worker_elastic,
                                   "stats": worker_stats[0], "worker_stats": worker_stats}))
 
 
