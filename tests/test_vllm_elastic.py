@@ -33,14 +33,20 @@ def test_the_ladder_is_the_top_then_the_named_plans_below_it_by_budget():
     assert [r.name for r in make_rungs(["default", "b2"], [plan(1, 2), plan(1, 1)], None)] == ["default", "b2"]
 
 
+def test_the_default_ladder_leaves_out_plans_that_do_not_spend_less_than_the_top():
+    assert [r.name for r in make_rungs(NAMES, PLANS, None)] == ["default", "b3", "b2"]     # "wide" is full
+
+
 @pytest.mark.parametrize("ladder, said", [
-    (None, "plans wide spend as much or more"),              # every named plan by default, a full one too
+    (["b3", "wide"], "names wide, which spend as much as the top"),
     (["b3", "nope"], "names 'nope', not in ALLOCMOE_PLANS"),
     (["b3", "b3"], "names a plan twice"),
 ])
 def test_a_ladder_that_cannot_step_down_is_refused(ladder, said):
     with pytest.raises(AllocMoeError, match=said):
         make_rungs(NAMES, PLANS, ladder)
+    with pytest.raises(AllocMoeError, match="needs a ladder of plans below the top"):
+        make_rungs(["default", "wide"], [None, plan(2, 2)], None)
 
 
 @pytest.mark.parametrize("env, said", [

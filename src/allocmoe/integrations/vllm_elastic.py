@@ -57,7 +57,7 @@ def parse_ladder(text: str) -> list[str] | None:
 
 def make_rungs(names: list[str], plans: list, ladder: list[str] | None) -> list[Rung]:
     """The rungs, richest first: index 0 (the plan of requests naming none, `plans[0]`, None for the full
-    model), then the ladder's plans (default: every named plan) by budget, each below the top's."""
+    model), then the ladder's plans (default: every named plan below the top) by budget."""
     full = next((p.full_budget for p in plans if p is not None), None)
     top = Rung(0, names[0], float(plans[0].budget if plans[0] is not None else full))
     chosen = ladder if ladder is not None else names[1:]
@@ -69,11 +69,15 @@ def make_rungs(names: list[str], plans: list, ladder: list[str] | None) -> list[
         raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_LADDER} names a plan twice; give each once")
     rungs = [Rung(names.index(n), n, float(plans[names.index(n)].budget)) for n in chosen]
     above = [r.name for r in rungs if r.activations >= top.activations - 1e-9]
-    if above or not rungs:
-        what = (f"plans {', '.join(above)} spend" if above else "no plan below it:")
-        raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_TARGET} needs a ladder of plans below the top "
-                            f"({top.name}: {top.activations:g} activations per token); {what} "
-                            f"{'as much or more' if above else 'give ALLOCMOE_PLANS (or ' + ENV_LADDER + ') with smaller budgets'}")
+    if ladder is None:              # every named plan that spends less than the top (a full or distinct one does not)
+        rungs = [r for r in rungs if r.name not in above]
+    elif above:
+        raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_LADDER} names {', '.join(above)}, which spend as much as "
+                            f"the top of the ladder or more ({top.name}: {top.activations:g} activations per "
+                            f"token); give plans below it")
+    if not rungs:
+        raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_TARGET} needs a ladder of plans below the top ({top.name}: "
+                            f"{top.activations:g} activations per token); give ALLOCMOE_PLANS with smaller budgets")
     return [top] + sorted(rungs, key=lambda r: -r.activations)
 
 
