@@ -7,7 +7,7 @@ automatic thread binding wants one NUMA node per rank and stops on a one-node ma
 allowed NUMA nodes to bind threads of 2 local CPUWorkers"), so `vllm_run.py --tp 2` binds one
 group of the allowed CPUs per rank (VLLM_CPU_OMP_THREADS_BIND="0|1" on 2 cores: one thread each).
 The tiny Qwen3-MoE divides by 2 everywhere TP splits it: 2 query and 2 KV heads, dense
-intermediate 96, expert intermediate 32, vocabulary 512. Five vLLM starts, about 6 minutes on 2 cores.
+intermediate 96, expert intermediate 32, vocabulary 512. Six vLLM starts, about 7 minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -94,3 +94,20 @@ def test_a_plan_per_request_in_one_batch_gives_the_same_tokens_at_tp2_as_at_tp1(
         assert stats["plans"]["at"]["activations"] == expected_at
         assert stats["plans"]["at"]["tokens"] == sum(len(p) + MAX_TOKENS - 1 for p in prompts)
     assert tp2["worker_stats"][0] == tp2["worker_stats"][1] == tp1["stats"]
+
+
+def test_the_elastic_budget_takes_one_rung_on_every_rank(setup, tmp_path):
+    """ALLOCMOE_LATENCY_TARGET_MS at TP 2: each rank measures its own steps, but every rank routes every
+    token, so all must run rank 0's rung (broadcast each step). A target of 1 microsecond, which no step
+    meets, walks the ladder down to its poorest plan on any machine; both ranks must record the same plan
+    for every request and step, and count the same activations."""
+    folder, files, prompts = setup
+    requests = [{"prompt_ids": p, "max_tokens": MAX_TOKENS} for p in prompts * 4]
+    tp2 = run_tp(folder, requests, tmp_path, 2, ALLOCMOE_PLANS=f"asc={files['ascending']}",
+                 ALLOCMOE_LATENCY_TARGET_MS="0.001", ALLOCMOE_RECORD_PLANS=1)
+    first, second = tp2["worker_elastic"]
+    assert first["plans"] == second["plans"] and len(first["plans"]) == len(requests)
+    assert [s[2] for s in first["steps"]] == [s[2] for s in second["steps"]]
+    assert {s[2] for s in first["steps"]} == {0, 1}                     # full first, then the ladder's plan
+    assert tp2["worker_stats"][0]["plans"] == tp2["worker_stats"][1]["plans"]
+    assert tp2["worker_stats"][0]["plans"]["asc"]["tokens"] > 0

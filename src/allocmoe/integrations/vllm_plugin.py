@@ -48,13 +48,25 @@ class PluginConfig:
     stats: bool = False                                    # ALLOCMOE_STATS=1: count activations
     weight0: bool = False                                  # ALLOCMOE_KERNEL=weight0: compute dropped slots at
                                                            # weight 0 (the reference, for tests and benchmarks)
+    target: float | None = None                            # ALLOCMOE_LATENCY_TARGET_MS, in seconds: elastic
+    ladder: list[str] | None = None                        # ALLOCMOE_LADDER: its plans (None: every named one)
+    record: bool = False                                   # ALLOCMOE_RECORD_PLANS=1: each request's plan per step
 
     @classmethod
     def from_env(cls, env=os.environ) -> "PluginConfig | None":
         from ..errors import AllocMoeError
+        from .vllm_elastic import ENV_LADDER, ENV_RECORD, ENV_TARGET, parse_ladder, parse_target
 
         default = env.get(ENV_PLAN) or None
         named = parse_named_plans(filter(None, (s.strip() for s in env.get(ENV_PLANS, "").split(","))), ENV_PLANS)
+        target = parse_target(env[ENV_TARGET]) if env.get(ENV_TARGET) else None
+        ladder = parse_ladder(env.get(ENV_LADDER, ""))
+        if ladder is not None and target is None:
+            raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_LADDER} is the ladder of {ENV_TARGET}; set that "
+                                f"too, or unset {ENV_LADDER}")
+        if target is not None and not named:
+            raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_TARGET} needs a ladder of plans: give them as "
+                                f"{ENV_PLANS}=NAME=PLAN.json,...")
         if default is None and not named:
             return None
         for path in ([Path(default)] if default else []) + list(named.values()):
@@ -65,7 +77,7 @@ class PluginConfig:
             raise AllocMoeError(f"allocmoe vLLM plugin: {ENV_KERNEL}={kernel!r} is not one of {', '.join(KERNELS)}; "
                                 "unset it (kept pairs only) or give weight0")
         return cls(Path(default) if default else None, named, env.get(ENV_STATS, "") not in ("", "0"),
-                   kernel == "weight0")
+                   kernel == "weight0", target, ladder, env.get(ENV_RECORD, "") not in ("", "0"))
 
 
 def parse_named_plans(items, what: str) -> dict[str, Path]:
@@ -89,11 +101,13 @@ class _Step:
     """Where each request's tokens sit in the current step, and which plan each follows."""
 
     def __init__(self):
-        self.segments: list[tuple[int, int, int]] = []     # (first token, end, plan index)
+        self.segments: list[tuple[int, int, int]] = []     # (first token, end, plan index); [] between steps
+        self.dummy = True                   # the last forward was a warm-up or dummy run, not a request's step
 
     def for_tokens(self, num_tokens: int) -> list[tuple[int, int, int]]:
         covered = self.segments[-1][1] if self.segments else 0
-        if covered != num_tokens:           # warm-up and dummy runs: every token under the default
+        self.dummy = covered != num_tokens
+        if self.dummy:                      # warm-up and dummy runs: every token under the default, uncounted
             return [(0, num_tokens, 0)]
         return self.segments
 
@@ -109,10 +123,20 @@ class _State:
         self.stats: dict[str, list[int]] = {name: [0, 0] for name in self.names}   # activations, tokens
         self.layer_stats: dict[int, LayerCounts] = {}    # per MoE layer
         self.first_layer: int | None = None              # tokens are counted once per step, at this layer
+        self.elastic = None                              # ALLOCMOE_LATENCY_TARGET_MS: vllm_elastic.VllmElastic
+        if config.target is not None:
+            from .vllm_elastic import VllmElastic, make_rungs
+
+            self.elastic = VllmElastic(make_rungs(self.names, self.plans, config.ladder), config.target,
+                                       self.names, self.plans, config.record)
 
     def plan_index(self, extra_args) -> int:
         name = (extra_args or {}).get(XARG)
         return 0 if name in (None, DEFAULT) else self.names.index(name)
+
+    def named_plan(self, extra_args) -> int | None:
+        """The plan a request named (None: it named none, so it is elastic under a latency target)."""
+        return None if (extra_args or {}).get(XARG) is None else self.plan_index(extra_args)
 
 
 _state: _State | None = None
@@ -157,6 +181,14 @@ def register() -> None:
 
             raise VLLMValidationError(f"unknown allocmoe plan {name!r}; this server has: "
                                       f"{', '.join(_state.names)}", parameter="vllm_xargs")
+        try:
+            from .vllm_elastic import request_floor
+
+            request_floor(self.extra_args, _state.plans, name is not None)
+        except AllocMoeError as exc:
+            from vllm.exceptions import VLLMValidationError
+
+            raise VLLMValidationError(str(exc), parameter="vllm_xargs") from None
 
     SamplingParams._verify_extra_args = verify_with_plan
     _patch_runner(_state)
@@ -220,15 +252,56 @@ def _patch_runner(state: _State) -> None:
 
     def prepare_with_plans(self, scheduler_output, num_scheduled_tokens, *args, **kwargs):
         out = prepare(self, scheduler_output, num_scheduled_tokens, *args, **kwargs)
+        counts = [int(n) for n in num_scheduled_tokens.tolist()]
+        extra = [getattr(self.requests[r].sampling_params, "extra_args", None) for r in self.input_batch.req_ids]
+        if state.elastic is not None:
+            rows = [(r, n, x, state.named_plan(x)) for r, n, x in zip(self.input_batch.req_ids, counts, extra)]
+            plans = state.elastic.choose(rows, _agree_across_ranks)
+        else:
+            plans = [state.plan_index(x) for x in extra]
         segments, start = [], 0
-        for req_id, n in zip(self.input_batch.req_ids, num_scheduled_tokens.tolist()):
-            params = self.requests[req_id].sampling_params
-            segments.append((start, start + int(n), state.plan_index(params.extra_args if params else None)))
-            start += int(n)
+        for n, plan in zip(counts, plans):
+            segments.append((start, start + n, plan))
+            start += n
         state.step.segments = segments
         return out
 
     GPUModelRunner._prepare_inputs = prepare_with_plans
+    execute = GPUModelRunner.execute_model
+
+    def execute_then_forget(self, *args, **kwargs):
+        try:
+            return execute(self, *args, **kwargs)
+        finally:            # a dummy run between steps (warm-up, capture) finds no segments: it is not counted
+            state.step.segments = []
+
+    GPUModelRunner.execute_model = execute_then_forget
+    if state.elastic is not None:
+        _time_steps(GPUModelRunner, state.elastic)
+
+
+def _time_steps(runner_class, elastic) -> None:
+    """Measure each step in the worker: from `execute_model`'s start to `sample_tokens`' end."""
+    execute, sample = runner_class.execute_model, runner_class.sample_tokens
+
+    def execute_timed(self, *args, **kwargs):
+        elastic.begin()
+        return execute(self, *args, **kwargs)
+
+    def sample_timed(self, *args, **kwargs):
+        out = sample(self, *args, **kwargs)
+        elastic.end()
+        return out
+
+    runner_class.execute_model, runner_class.sample_tokens = execute_timed, sample_timed
+
+
+def _agree_across_ranks(rung: int) -> int:
+    """Tensor parallelism: every rank routes every token, so all must take one rung; rank 0's."""
+    from vllm.distributed.parallel_state import get_tp_group
+
+    group = get_tp_group()
+    return rung if group.world_size == 1 else group.broadcast_object(rung, src=0)
 
 
 def install(model, hf_config, state: _State) -> None:
@@ -320,6 +393,7 @@ def _count_static(router, index: int, state: _State) -> None:
     @torch.compiler.disable
     def counted(hidden_states, router_logits, indices_type, *, input_ids=None):
         weights, ids = compute(hidden_states, router_logits, indices_type, input_ids=input_ids)
+        state.step.for_tokens(ids.size(0))
         counts = torch.full((ids.size(0),), ids.size(1))
         _add(state, index, [(0, ids.size(0), 0)], counts, ids.numel())
         return weights, ids
@@ -328,7 +402,10 @@ def _count_static(router, index: int, state: _State) -> None:
 
 
 def _add(state: _State, index: int, segments, counts, computed: int, loaded: list[int] | None = None) -> None:
-    """Count one layer's step: activations kept per plan, pairs the kernel computed, decode-step loads."""
+    """Count one layer's step: activations kept per plan, pairs the kernel computed, decode-step loads
+    (a warm-up or dummy run counts nothing)."""
+    if state.step.dummy:
+        return
     layer = state.layer_stats.setdefault(index, LayerCounts())
     for start, end, plan_index in segments:
         spent = int(counts[start:end].sum())
@@ -408,6 +485,17 @@ def _route_by_plans(runner, index: int, k_orig: int, state: _State) -> None:
 
     router._compute_routing = routed
     experts.forward_modular = forward_modular
+
+
+def read_elastic(worker=None) -> dict:
+    """The elastic budget in this process (ALLOCMOE_LATENCY_TARGET_MS): {"target" (seconds), "rungs"
+    ([name, activations per token], richest first), "steps" ([tokens, requests, rung, predicted seconds or
+    None, measured seconds, learnt from] per measured step, the latest 4096), "plans" (ALLOCMOE_RECORD_PLANS=1: vLLM's
+    request id -> [[plan name, steps], ...], run-length, the first prompt step first)}; {} without a
+    target. Call through `LLM.collective_rpc(read_elastic)` to read a worker's."""
+    if _state is None or _state.elastic is None:
+        return {}
+    return _state.elastic.report()
 
 
 def read_stats(worker=None) -> dict:
