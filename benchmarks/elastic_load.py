@@ -31,7 +31,6 @@ import json
 import os
 import platform
 import re
-import socket
 import statistics
 import subprocess
 import sys
@@ -42,15 +41,11 @@ from pathlib import Path
 
 import httpx
 
+from serve_load import free_port, launch      # benchmarks/, this script's folder, is on sys.path
+
 PROMPTS = ["The king said unto them", "Once upon a time there was a", "In the beginning of the year",
            "A man walked into the room and", "She looked at him and said", "And it came to pass that the"]
 LADDER = {"b56": "5/6", "b23": "2/3", "b12": "1/2", "b13": "1/3"}
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 def build_folder(folder: Path, num_layers: int) -> dict[str, Path]:
@@ -82,19 +77,7 @@ def start_server(args, folder: Path, plans: dict[str, Path], target_ms: float | 
         cmd += ["--latency-target-ms", f"{target_ms:.3f}"]
         for name, path in plans.items():
             cmd += ["--plan", f"{name}={path}"]
-    proc = subprocess.Popen(cmd, stdout=log, stderr=log)
-    base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise SystemExit(f"the server exited with {proc.returncode}; see {log.name}")
-        try:
-            if httpx.get(f"{base}/health", timeout=1).status_code == 200:
-                return proc, base
-        except httpx.HTTPError:
-            time.sleep(0.5)
-    proc.kill()
-    raise SystemExit("the server did not come up within 600 s")
+    return launch(cmd, port, log, seconds=600)
 
 
 def one_request(http: httpx.Client, base: str, prompt: str, max_tokens: int, elastic: bool = True) -> dict:

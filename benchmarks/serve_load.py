@@ -48,9 +48,14 @@ def start_server(args, plan_file: Path, log) -> tuple[subprocess.Popen, str]:
            "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024", "--log-level", "warning"]
     if args.model:
         cmd += ["--model", args.model]
+    return launch(cmd, port, log, seconds=300)
+
+
+def launch(cmd: list[str], port: int, log, seconds: float) -> tuple[subprocess.Popen, str]:
+    """Start `allocmoe serve` (cmd, on loopback `port`) and wait until /health answers, at most `seconds`."""
     proc = subprocess.Popen(cmd, stdout=log, stderr=log)
     base = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 300
+    deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise SystemExit(f"the server exited with {proc.returncode}; see {log.name}")
@@ -60,7 +65,7 @@ def start_server(args, plan_file: Path, log) -> tuple[subprocess.Popen, str]:
         except httpx.HTTPError:
             time.sleep(0.2)
     proc.kill()
-    raise SystemExit("the server did not come up within 300 s")
+    raise SystemExit(f"the server did not come up within {seconds:.0f} s")
 
 
 def one_request(http: httpx.Client, base: str, model: str, prompt: str, max_tokens: int) -> dict:

@@ -44,17 +44,16 @@ import torch
 
 from ..core.budget import read_fraction_or_count, round_half_up
 from ..core.config import Config, check_counts, checked_config
-from ..core.files import atomic_write_json
 from ..core.plan import Plan, check_fingerprint
 from ..routing.layout import model_fingerprint
 from ..core.policies import DistinctExperts, StaticTopK
 from ..core.solver import solve_allocation
-from ..errors import AllocMoeError, Interrupted
+from ..errors import AllocMoeError
 from ..scoring.perplexity import (check_decode_batch, default_seq_len, evaluate_perplexity,
                                   tokenize_windows, window_len)
 from ..routing.apply import apply_plan, static_plan
 from .cells import CellBar, CellRun
-from .profile import resumed_cells, with_weights
+from .profile import resumed_cells, score_cells, with_weights
 
 PROFILE_KIND = "distinct"
 
@@ -217,7 +216,7 @@ def distinct_profile(model, tokenizer, calib_text: str, config: DistinctConfig |
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                   disable=not config.progress, work_total=run.planned_passes())
     try:
-        _score_cells(run, bar, len(cells), done, resume, run_key)
+        score_cells(run, bar, done, resume, run_key, len(cells), what="distinct-profile cells")
     finally:
         bar.close()
         run.release()
@@ -254,24 +253,6 @@ def _announce(cells: int, todo: int, num_layers: int, tokens: int, config: Disti
           f"{tokens} calibration tokens at decode batch {config.decode_batch}, about "
           f"{run.planned_passes() / max(1, routed * run.num_decoder_layers):.0f} full-pass equivalents",
           file=sys.stderr)
-
-
-def _score_cells(run, bar, total: int, done: dict[str, float], resume: Path | None, run_key) -> None:
-    """Take each cell's perplexity as it arrives into `done`, kept in the resume file after each; a
-    Ctrl-C with cells kept becomes Interrupted, naming them."""
-    arrivals = run.cells(bar)
-    try:
-        for cell, ppl in arrivals:
-            done[_key(cell)] = ppl
-            if resume:
-                atomic_write_json(resume, {"key": run_key, "cells": done})
-            bar.update(1)
-    except KeyboardInterrupt as exc:
-        if resume is None or not done or isinstance(exc, Interrupted):
-            raise
-        raise Interrupted(f"{len(done)} of {total} distinct-profile cells kept in {resume}") from exc
-    finally:
-        arrivals.close()
 
 
 def _interpolated(points: list[tuple[int, float]], num_experts: int) -> list[float]:

@@ -157,7 +157,8 @@ def profile_sensitivity(model, tokenizer, calib_text: str, config: ProfileConfig
                   bar_format="{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]",
                   disable=not config.progress, work_total=run.planned_passes())
     try:
-        _score_cells(run, bar, configs, done, partial_path, run_key, on_cell)
+        score_cells(run, bar, done, partial_path, run_key, len(configs),
+                    on_cell=(lambda cfg: on_cell(*configs[cfg][0])) if on_cell else None)
     finally:
         bar.close()
         run.release()
@@ -197,22 +198,24 @@ def _calibration(model, tokenizer, calib_text: str, calib_name: str, config: Pro
                      "batch_size": config.windows_per_pass}
 
 
-def _score_cells(run, bar, configs, done: dict[str, float], partial_path, run_key, on_cell) -> None:
-    """Take each cell's perplexity as it arrives into `done`, kept in the partial file after each; a
-    Ctrl-C with cells kept becomes Interrupted, naming them."""
+def score_cells(run, bar, done: dict[str, float], partial_path, run_key, total: int, what: str = "cells",
+                on_cell=None) -> None:
+    """Take each cell's perplexity as it arrives into `done`, kept in the partial (resume) file after
+    each, then `on_cell(cell)`; a Ctrl-C with cells kept becomes Interrupted, naming them (the
+    sensitivity profile's and the distinct-expert profile's cells alike)."""
     arrivals = run.cells(bar)
     try:
-        for cfg, ppl in arrivals:
-            done[_key(cfg)] = ppl
+        for cell, ppl in arrivals:
+            done[_key(cell)] = ppl
             if partial_path:
                 atomic_write_json(partial_path, {"key": run_key, "cells": done})
             bar.update(1)
             if on_cell:
-                on_cell(*configs[cfg][0])
+                on_cell(cell)
     except KeyboardInterrupt as exc:
         if partial_path is None or not done or isinstance(exc, Interrupted):
             raise
-        raise Interrupted(f"{len(done)} of {len(configs)} cells kept in {partial_path}") from exc
+        raise Interrupted(f"{len(done)} of {total} {what} kept in {partial_path}") from exc
     finally:
         arrivals.close()                             # its workers stop before Ray does
 
