@@ -168,4 +168,5 @@ def policy_from_layer_entry(entry, k_orig: int):
     model = {"model_type": "qwen2_moe", "num_moe_layers": 1, "num_experts": 8, "k_orig": k_orig, "moe_layers": [0]}
     data = Plan(model=model, layers={0: StaticTopK(1)}, method="uniform", budget=float(k_orig)).to_dict()
     data["layers"]["0"] = entry
+    data.pop("cost", None)      # the cost block describes the StaticTopK(1) layer replaced above; it is optional
     return Plan.from_dict(data).layers[0]
