@@ -59,7 +59,7 @@ def reference():
 def setup(reference):
     model, tok = reference
     text, _ = read_text(None, "calibration")
-    profile = profile_sensitivity(model, tok, text, ProfileConfig(seq_len=128, max_tokens=256, batch_size=2,
+    profile = profile_sensitivity(model, tok, text, ProfileConfig(seq_len=128, calib_tokens=256, windows_per_pass=2,
                                                                   progress=False))
     plans = {"half": allocate("1/2", "alloc-t", model=model), "third": allocate("1/3", "uniform", model=model)}
     return plans, profile
@@ -104,8 +104,13 @@ def metric(base, name, **labels) -> float:
 
 
 def test_models_lists_the_model_and_one_entry_per_plan(client):
-    ids = [m.id for m in client.models.list().data]
-    assert ids == [MODEL, f"{MODEL}@half", f"{MODEL}@third"]
+    data = client.models.list().data
+    assert [m.id for m in data] == [MODEL, f"{MODEL}@half", f"{MODEL}@third"]
+    # each plan's stated cost per token: no stand-ins here, so the activations, counted by hand
+    # (the fixture's model has 36 activations per token in full; half and third of it)
+    totals = [m.model_extra["allocmoe"]["cost"]["total"] for m in data]
+    assert totals == pytest.approx([36, 18, 12])
+    assert all(m.model_extra["allocmoe"]["cost"]["standins"] == 0 for m in data)
 
 
 def test_health_and_metrics_answer(base):

@@ -188,7 +188,7 @@ def create_app(model, tokenizer, config: ServerConfig | None = None) -> FastAPI:
                  "root": server.config.model_name, "parent": None if name is None else server.config.model_name,
                  "max_model_len": server.engine.context_len,
                  "allocmoe": {"plan": name or "full", "method": plan.method, "budget": plan.budget,
-                              "full_budget": plan.full_budget}}
+                              "full_budget": plan.full_budget, "cost": plan.cost()}}
                 for model_id, name, plan in server.registry.model_ids()]
         return {"object": "list", "data": data}
 
