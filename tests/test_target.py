@@ -75,7 +75,7 @@ def test_the_cli_writes_the_plan_with_what_it_found(tiny_folder, tmp_path, capsy
     main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--target-ppl", "10%", "--seq-len", "64",
           "--calib-tokens", "512", "--output", str(out), "--quiet"])
     err = capsys.readouterr().err
-    assert "the smallest budget meeting it is" in err and out.exists()
+    assert "the smallest total budget meeting it is" in err and out.exists()
     from allocmoe import Plan
 
     plan = Plan.load(out)
