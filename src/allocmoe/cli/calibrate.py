@@ -34,8 +34,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--budget", default=None, help="fraction of full (0.5, 1/2, 50%%) or count (78) of activations per token; with stand-ins "
                    "(--substitute, auto) it bounds activations plus their activation-equivalents")
     p.add_argument("--target-ppl", default=None, metavar="TARGET",
-                   help="instead of --budget: the smallest budget whose plan stays within this calibration "
-                        "perplexity, relative to the full model (5%%) or absolute (157.0)")
+                   help="instead of --budget: the smallest total budget whose plan stays within this calibration "
+                        "perplexity (with stand-ins, on the windows they were not fitted on), relative to the "
+                        "full model (5%%) or absolute (157.0)")
     p.add_argument("--method", default=None, choices=METHODS, help="allocation method (default: auto)")
     p.add_argument("--k-base", type=positive_int, default=None, help="Alloc-T: experts every token keeps (default 1)")
     p.add_argument("--pool", default=None, choices=("batch", "sequence"), help="Alloc-T pool extent (default: batch)")
