@@ -9,13 +9,16 @@
   top-p       one global p calibrated so measured activations match B on calibration text
   naee        per-layer beta_l calibrated so each layer spends B/L on calibration text
   auto        tries alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute,
-              on calibration text, keeps the best, then refines it (the default method)
+              on calibration text, keeps the best, then refines it (the default method); the stand-ins are
+              fitted on half the calibration windows and every choice scored on the other half, then
+              refitted on all of them (calibrate/crossfit.py)
 
 Two add-ons work with any budget-exact method, and `auto` uses both by default (docs/quality.md):
   substitute  each skipped candidate expert adds gate x a stand-in for its output: its calibrated mean
               (MoNE) plus a rank-r least-squares linear term in the token (substitute_rank, default 8),
               measured on the unmodified model and saved beside the plan: calibrate/means.py
-  refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py)
+  refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py;
+              with the substitute, on the windows its stand-ins were not fitted on)
 
 Profile-based methods (alloc-moe, alloc-l) are pure given the profile; the rest of the budget-exact
 methods need only the model's fingerprint, which its config gives: `model` may be a model folder (its
