@@ -3,8 +3,8 @@
 `auto`, a refinement with stand-ins and a perplexity target's search with them choose by calibration
 perplexity: which trial, with or without stand-ins, the (k, stand-in) menu's choice, each refinement
 move, whether a budget meets the target. Stand-ins fitted on the windows that score them look better
-there than on new text (at 5/6 of the built-in model's budget, `auto` chose by in-sample scores a plan
-that lost on test text to a simpler trial). So the calibration windows are split in two:
+there than on new text (issue #37: at 5/6 of the built-in model's budget, `auto` chose by in-sample
+scores a plan that lost on test text to a simpler trial). So the calibration windows are split in two:
 
   fit     windows 0, 2, 4, ...  (the first of each pair; the odd one out of an odd count)
           the stand-ins (means and rank-r terms, calibrate/means.py) are fitted here, and only here;
