@@ -145,3 +145,7 @@ def test_a_refinement_partial_file_scored_in_sample_is_not_resumed(tiny_folder, 
         partial.write_text(json.dumps({"key": old_key, "scores": {"1:1,2:1,3:1": 1.0}}))
         main(argv)
     assert seen["key"]["scored_on"].startswith("alternate windows") and seen["resumed"] == {}
+    partial.write_text(json.dumps({"key": seen["key"], "scores": {"1:1,2:1,3:1": 1.0}}))
+    with mock.patch.object(refine.SavedScores, "__init__", spy):
+        main(argv)                                      # the same key, by contrast, is resumed from
+    assert seen["resumed"] == {"1:1,2:1,3:1": 1.0}

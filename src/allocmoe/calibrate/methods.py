@@ -545,12 +545,6 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
                                        least=least)
     finally:
         bar.close()
-    if found not in plans and fitted and method != "auto":   # its full budget is not the full model: judge it too
-        tried[found] = ppl_at(found)
-        if tried[found] > target:
-            raise AllocMoeError(f"no budget meets the perplexity target {target:.4g} with stand-ins on every layer: "
-                                f"even the full budget's plan scores {tried[found]:.4g} (they take budget from the "
-                                "experts); give a higher target, or --no-substitute")
     plan = _refitted(plans.get(found) or plan_at(found), model, tokenizer, calib_text, inner)
     plan.provenance = {**plan.provenance, "target": target_provenance(
         target_ppl, target, full_ppl, found, tried, int(judge.numel() - judge.size(0)), plan.cost(),

@@ -23,8 +23,8 @@ A step costs one calibration pass for the profile-based and budget-only methods 
 reused), plus a fit pass for the stand-ins; top-p and naee also rerun their calibration pass, lexi
 its L x K deviation passes, and auto its trials, at every step. The target is either relative to the
 full model's perplexity on the judging windows ("5%": at most 1.05 x full) or an absolute perplexity
-("157.0"). The full budget is scored as the unmodified model, except where stand-ins on every layer
-take part of it (a method other than auto with --substitute): that plan is scored as any other.
+("157.0"). The full budget is scored as the unmodified model: its plan skips nothing, so even with
+stand-ins it spends all of it on experts (core/budget.py expert_budget gives L*K_orig back).
 
 Bisection assumes the judged perplexity does not rise when the budget grows. It need not hold
 exactly (the DP's allocations at neighbouring budgets can differ in several layers), so the answer
