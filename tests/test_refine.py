@@ -3,6 +3,7 @@ the search ends where no single move helps (checked by brute force), and an inte
 
 from __future__ import annotations
 
+import copy
 import itertools
 import json
 
@@ -101,9 +102,36 @@ def calib_ppl(model, tok, text, plan):
         return ppl, handle.activations_per_token()
 
 
+def split_calibration(tok, text):
+    """The tiny runs' calibration windows (seq_len 64, 512 tokens: 8) and their (fit, choose) split."""
+    from allocmoe.calibrate.crossfit import split_windows
+    from allocmoe.scoring.perplexity import tokenize_windows
+
+    windows = tokenize_windows(tok, text, 64, 512)
+    return (windows, *split_windows(windows))
+
+
+def windows_ppl(model, plan, windows):
+    with apply_plan(model, plan):
+        return evaluate_perplexity(model, None, "", {"windows_per_pass": 4, "progress": False},
+                                   windows=windows).perplexity
+
+
+def same_means(a, b):
+    import torch
+
+    return set(a.means) == set(b.means) and all(torch.equal(a.means[i], b.means[i]) for i in a.means) and \
+        all(torch.equal(getattr(a.linear[i], part), getattr(b.linear[i], part))
+            for i in (a.linear or {}) for part in ("input_mean", "down", "up"))
+
+
 def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_score_worse(tiny):
     """The stand-ins are paid from B (core/budget.py): at rank 2 each costs u = (2*32*2 + 32) / (3*32*16 + 32)
-    of an expert on this model (H 32, I 16), so B = 9 of 12 leaves a = floor((9 - 12 u) / (1 - u)) = 8."""
+    of an expert on this model (H 32, I 16), so B = 9 of 12 leaves a = floor((9 - 12 u) / (1 - u)) = 8.
+    Cross-fitted: the refinement scores on the choose windows with stand-ins fitted on the fit windows, and
+    the plan returned carries stand-ins refitted on all of them."""
+    from allocmoe.calibrate.means import measure_expert_means
+
     model, tok, text = tiny
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False}
     u = 160 / 1568
@@ -112,20 +140,29 @@ def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_s
     plain = allocate(activations, "uniform", model=model, config=config)
     plan = allocate(9, "uniform", model=model, tokenizer=tok, calib_text=text,
                     config={**config, "substitute": True, "substitute_rank": 2, "refine": 12})
-    assert plan.means is not None and set(plan.means.means) == set(plan.layers)
-    ppl, spent = calib_ppl(model, tok, text, plan)
+    windows, fit, choose = split_calibration(tok, text)
+    fit_means, all_means = (measure_expert_means(model, w, 4, rank=2) for w in (fit, windows))
+    assert plan.means is not None and same_means(plan.means, all_means)
+    assert plan.provenance["cross_fit"]["fit_windows"] == 4 and plan.provenance["cross_fit"]["choose_windows"] == 4
+    _, spent = calib_ppl(model, tok, text, plan)
     start = made = plan.provenance["details"]["refine"]
     assert spent == pytest.approx(activations) and sum(p.k for p in plan.layers.values()) == activations
     assert plan.cost()["total"] == pytest.approx(activations + (12 - activations) * u) and plan.cost()["total"] <= 9
-    assert made["calibration_perplexity"] == pytest.approx(ppl, rel=1e-6)
+    chosen = allocate(activations, "uniform", model=model, config=config)
+    chosen.layers = dict(plan.layers)
+    chosen.means = fit_means                        # what the refinement scored: fit-window stand-ins, choose windows
+    assert made["calibration_perplexity"] == pytest.approx(windows_ppl(model, chosen, choose), rel=1e-6)
     assert made["calibration_perplexity"] <= start["start_calibration_perplexity"]
     plain_with_means = allocate(activations, "uniform", model=model, config=config)
-    plain_with_means.means = plan.means
-    assert start["start_calibration_perplexity"] == pytest.approx(calib_ppl(model, tok, text, plain_with_means)[0])
-    assert calib_ppl(model, tok, text, plain)[0] != pytest.approx(start["start_calibration_perplexity"])
+    plain_with_means.means = fit_means
+    assert start["start_calibration_perplexity"] == pytest.approx(windows_ppl(model, plain_with_means, choose))
+    assert windows_ppl(model, plain, choose) != pytest.approx(start["start_calibration_perplexity"])
 
 
 def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(tiny):
+    """Every choice on the choose windows, the plan returned with stand-ins fitted on all the windows."""
+    from allocmoe.calibrate.means import measure_expert_means
+
     model, tok, text = tiny
     from allocmoe.calibrate.profile import profile_sensitivity
 
@@ -141,11 +178,23 @@ def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(t
     best = min(t["calibration_perplexity"] for t in trials)
     assert details["refine"]["start_calibration_perplexity"] == pytest.approx(best)
     assert (plan.means is not None) == details["chosen"]["substitute"]
-    assert calib_ppl(model, tok, text, plan)[0] == pytest.approx(details["refine"]["calibration_perplexity"], rel=1e-6)
+    windows, fit, choose = split_calibration(tok, text)
+    if plan.means is not None:                     # refitted on all the windows, on the chosen layers
+        all_means = measure_expert_means(model, windows, 4, rank=2).restricted(sorted(plan.means.means))
+        assert same_means(plan.means, all_means)
+        as_chosen = copy.copy(plan)
+        as_chosen.means = measure_expert_means(model, fit, 4, rank=2).restricted(sorted(plan.means.means))
+    else:
+        as_chosen = plan
+    assert windows_ppl(model, as_chosen, choose) == pytest.approx(details["refine"]["calibration_perplexity"],
+                                                                  rel=1e-6)
     off = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
                    config={**config, "substitute": False, "refine": 0})
-    assert off.means is None and "refine" not in off.provenance["details"]
+    assert off.means is None and "refine" not in off.provenance["details"] and "cross_fit" not in off.provenance
     assert {t["substitute"] for t in off.provenance["details"]["trials"]} == {False}
+    ppl = {(t["method"], t["k_base"]): t["calibration_perplexity"] for t in off.provenance["details"]["trials"]}
+    assert ppl[("alloc-l", None)] == pytest.approx(windows_ppl(model, allocate(6, "alloc-l", profile=profile,
+                                                                               model=model), windows), rel=1e-6)
 
 
 def test_the_cli_writes_plan_and_means_and_leaves_no_partial_file(tiny_folder, tmp_path, capsys):

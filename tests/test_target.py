@@ -4,6 +4,7 @@ checked against brute force over every budget, on made-up curves and on a tiny m
 from __future__ import annotations
 
 import pytest
+import torch
 
 from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity
 from allocmoe.calibrate.target import parse_target, smallest_budget
@@ -75,7 +76,7 @@ def test_the_cli_writes_the_plan_with_what_it_found(tiny_folder, tmp_path, capsy
     main(["allocate", "--model", str(tiny_folder), "--method", "uniform", "--target-ppl", "10%", "--seq-len", "64",
           "--calib-tokens", "512", "--output", str(out), "--quiet"])
     err = capsys.readouterr().err
-    assert "the smallest budget meeting it is" in err and out.exists()
+    assert "the smallest total budget meeting it is" in err and out.exists()
     from allocmoe import Plan
 
     plan = Plan.load(out)
@@ -103,3 +104,70 @@ def test_a_bad_method_is_refused_before_any_calibration_pass(tiny, monkeypatch):
         allocate(method="magic", target_ppl="5%", model=model, tokenizer=tok, calib_text=text)
     with pytest.raises(AllocMoeError, match="needs a sensitivity profile"):
         allocate(method="alloc-moe", target_ppl="5%", model=model, tokenizer=tok, calib_text=text)
+
+
+def _judged(model, plan, windows) -> float:
+    with apply_plan(model, plan):
+        return evaluate_perplexity(model, None, "", {"windows_per_pass": 4, "progress": False},
+                                   windows=windows).perplexity
+
+
+def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(tiny):
+    """Budgets are total cost (activations plus stand-ins): with rank-2 stand-ins on every layer (u = 0.10
+    of an expert each) one expert per layer costs 3.92, so the search runs over 4..12. Brute force: each
+    budget's plan, its stand-ins fitted on the fit windows, scored on the choose windows; the target is
+    set where that curve crosses it once, so the smallest budget meeting it is the bisection's answer."""
+    from allocmoe.calibrate.crossfit import split_windows
+    from allocmoe.calibrate.means import measure_expert_means
+    from allocmoe.core.budget import Budget
+    from allocmoe.scoring.perplexity import tokenize_windows
+
+    model, tok, text = tiny
+    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "substitute": True,
+              "substitute_rank": 2}
+    windows = tokenize_windows(tok, text, 64, 512)
+    fit, choose = split_windows(windows)
+    fit_means = measure_expert_means(model, fit, 4, rank=2)
+    judged = {}
+    for count in range(4, 13):
+        plan = allocate(Budget(float(count), 12, 3), "uniform", model=model, tokenizer=tok, calib_text=text,
+                        config=config)
+        plan.means = fit_means
+        judged[count] = _judged(model, plan, choose)
+    crossing = [b for b in range(5, 12) if min(judged[c] for c in judged if c < b) > max(judged[c] for c in judged
+                                                                                        if c >= b)]
+    assert crossing, judged
+    answer = crossing[len(crossing) // 2]
+    target = max(judged[c] for c in judged if c >= answer)
+    plan = allocate(method="uniform", target_ppl=f"{target!r}", model=model, tokenizer=tok, calib_text=text,
+                    config=config)
+    found = plan.provenance["target"]
+    assert found["budget_found"] == answer == min(b for b in judged if judged[b] <= target) and plan.budget == answer
+    assert found["judged_on"].startswith("choose windows") and found["calibration_tokens"] == 4 * 63
+    assert found["full_calibration_perplexity"] == pytest.approx(_judged(model, allocate(12, "uniform", model=model),
+                                                                        choose), rel=1e-6)
+    assert min(int(b) for b in found["tried"]) == 4
+    for budget, ppl in found["tried"].items():
+        assert ppl == pytest.approx(judged[int(budget)], rel=1e-5)
+    assert found["total_cost"] == pytest.approx(plan.cost()["total"]) and found["total_cost"] <= answer + 1e-9
+    assert found["activations"] == sum(p.k for p in plan.layers.values())
+    all_means = measure_expert_means(model, windows, 4, rank=2)       # the plan returned: refitted on all
+    assert all(torch.equal(plan.means.means[i], all_means.means[i]) for i in all_means.means)
+    assert plan.provenance["cross_fit"]["final_means_windows"] == 8
+
+
+def test_auto_with_a_target_chooses_and_is_judged_on_the_same_held_out_windows(tiny):
+    """auto's stand-ins are fitted on the fit windows; its trials and the target's judging both score on the
+    choose windows, so the budget found is judged by the very score its chosen trial had."""
+    from allocmoe.calibrate.profile import profile_sensitivity
+
+    model, tok, text = tiny
+    profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
+    plan = allocate(method="auto", target_ppl="1000%", profile=profile, model=model, tokenizer=tok, calib_text=text,
+                    config={"seq_len": 64, "calib_tokens": 512, "progress": False, "refine": 0,
+                            "substitute_rank": 2})
+    found = plan.provenance["target"]
+    assert found["budget_found"] == 3 and found["judged_on"].startswith("choose windows")
+    chosen = min(t["calibration_perplexity"] for t in plan.provenance["details"]["trials"])
+    assert found["calibration_perplexity"] == pytest.approx(chosen, rel=1e-6)
+    assert found["total_cost"] == pytest.approx(plan.cost()["total"]) and plan.cost()["total"] <= 3 + 1e-9

@@ -9,13 +9,16 @@
   top-p       one global p calibrated so measured activations match B on calibration text
   naee        per-layer beta_l calibrated so each layer spends B/L on calibration text
   auto        tries alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute,
-              on calibration text, keeps the best, then refines it (the default method)
+              on calibration text, keeps the best, then refines it (the default method); the stand-ins are
+              fitted on half the calibration windows and every choice scored on the other half, then
+              refitted on all of them (calibrate/crossfit.py)
 
 Two add-ons work with any budget-exact method, and `auto` uses both by default (docs/quality.md):
   substitute  each skipped candidate expert adds gate x a stand-in for its output: its calibrated mean
               (MoNE) plus a rank-r least-squares linear term in the token (substitute_rank, default 8),
               measured on the unmodified model and saved beside the plan: calibrate/means.py
-  refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py)
+  refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py;
+              with the substitute, on the windows its stand-ins were not fitted on)
 
 Profile-based methods (alloc-moe, alloc-l) are pure given the profile; the rest of the budget-exact
 methods need only the model's fingerprint, which its config gives: `model` may be a model folder (its
@@ -42,6 +45,7 @@ from ..core.plan import Plan, check_fingerprint
 from ..routing.layout import expert_weights, model_fingerprint, standin_costs
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
+from .crossfit import cross_fit_provenance, refit, split_windows
 
 PROFILE_METHODS = ("alloc-moe", "alloc-l")
 MODEL_METHODS = ("lexi", "top-p", "naee", "auto")
@@ -320,27 +324,50 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
         check_target_reach(target_ppl, getattr(model.config, "vocab_size", None))
     if target_ppl is not None:      # after the method's own checks: the search scores a calibration pass first
         return _allocate_for_target(target_ppl, method, profile, model, tokenizer, calib_text, config)
+    plan = _allocate_checked(budget, method, profile, model, tokenizer, calib_text, config, refine_memo)
+    return _refitted(plan, model, tokenizer, calib_text, config)
+
+
+def _allocate_checked(budget, method: str, profile, model, tokenizer, calib_text, config: AllocateConfig,
+                      refine_memo=None, held_out: bool = False) -> Plan:
+    """`method`'s plan for `budget`, once allocate's checks passed. Stand-ins that something is chosen
+    with (auto's trials, a refinement; with `held_out`, the caller's own judging, a target's search) are
+    fitted on the fit windows and the choices scored on the choose windows (calibrate/crossfit.py); the
+    plan then records the split, and _refitted refits its stand-ins on all the windows."""
+    substitute, refine = addons(method, config)
+    fingerprint = _fingerprint(profile, model)
     if method == "auto":
-        fingerprint = _fingerprint(profile, model)
         if not isinstance(budget, Budget):
             budget = Budget.parse(budget, fingerprint["num_moe_layers"], fingerprint["k_orig"])
         return _auto(budget, profile, model, _calibration_windows(model, tokenizer, calib_text, config), config,
                      refine_memo)
-    if not substitute:
+    if not substitute:          # nothing fitted: the refinement chooses on every window
         plan = _allocate_plain(budget, method, profile, model, tokenizer, calib_text, config)
         return _refined(plan, model, _calibration_windows(model, tokenizer, calib_text, config), config, refine,
                         refine_memo) if refine else plan
     # the stand-ins are paid from the same budget: the activations get what they leave (core/budget.py)
-    fingerprint = _fingerprint(profile, model)
     parsed = budget if isinstance(budget, Budget) else Budget.parse(budget, fingerprint["num_moe_layers"],
                                                                     fingerprint["k_orig"])
     experts = expert_budget(parsed, standin_per_slot(model, config), fingerprint["k_orig"])
     plan = _allocate_plain(experts, method, profile, model, tokenizer, calib_text, config)
     plan.budget = parsed.activations_per_token
     windows = _calibration_windows(model, tokenizer, calib_text, config)
-    plan.means = _measure_means(model, windows, config)
+    chooses = bool(refine) or held_out
+    fit, choose = split_windows(windows) if chooses else (windows, windows)
+    plan.means = _measure_means(model, fit, config)
     plan.standins = standin_costs(model, plan.means)
-    return _refined(plan, model, windows, config, refine, refine_memo) if refine else plan
+    if chooses:
+        plan.provenance = {**plan.provenance, "cross_fit": cross_fit_provenance(windows)}
+    return _refined(plan, model, choose, config, refine, refine_memo) if refine else plan
+
+
+def _refitted(plan: Plan, model, tokenizer, calib_text, config: AllocateConfig) -> Plan:
+    """`plan` with its stand-ins refitted on all the calibration windows where they were fitted on the
+    fit windows alone (calibrate/crossfit.py refit): the same layers, the same cost."""
+    if plan.means is None or "cross_fit" not in plan.provenance:
+        return plan
+    windows = _calibration_windows(model, tokenizer, calib_text, config)
+    return refit(plan, _measure_means(model, windows, config), windows, lambda means: standin_costs(model, means))
 
 
 K_BASE_METHODS = ("alloc-moe", "alloc-t", "auto")      # the methods that read k_base (and pool)
@@ -479,15 +506,19 @@ def _allocate_plain(budget, method: str, profile, model, tokenizer, calib_text, 
 
 def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, calib_text,
                          config: AllocateConfig) -> Plan:
-    """Bisect over whole budgets for the smallest whose `method` plan meets the target (calibrate/target.py)."""
+    """Bisect over whole total budgets (activations plus stand-ins, core/budget.py) for the smallest whose
+    `method` plan meets the target on the judging windows: the choose windows where the plans carry
+    stand-ins (fitted on the fit windows), else all of them (calibrate/target.py)."""
     from .target import parse_target, smallest_budget, target_provenance
 
     if model is None:
         raise AllocMoeError("a perplexity target needs the model (and calibration text) to score plans; "
                             "pass model=, tokenizer= and calib_text=")
     windows = _calibration_windows(model, tokenizer, calib_text, config)
+    fitted = addons(method, config)[0]            # stand-ins: judged on text they were not fitted on
+    judge = split_windows(windows)[1] if fitted else windows
     score = {"windows_per_pass": config.windows_per_pass, "progress": False}
-    full_ppl = evaluate_perplexity(model, None, "", score, windows=windows).perplexity
+    full_ppl = evaluate_perplexity(model, None, "", score, windows=judge).perplexity
     target = parse_target(target_ppl, full_ppl)
     fingerprint = _fingerprint(profile, model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
@@ -496,15 +527,17 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
     steps = max(1, math.ceil(math.log2(num_layers * (k_orig - 1) + 1))) + 1
     bar = tqdm(total=steps, desc=f"target ppl {target:.4g}", unit="budget", disable=not config.progress)
 
+    def plan_at(count: int) -> Plan:
+        # a Budget, not the bare count: Budget.parse reads a count <= 1 as a fraction (1 -> the full budget)
+        return _allocate_checked(Budget(float(count), num_layers * k_orig, num_layers), method, profile, model,
+                                 tokenizer, calib_text, inner, held_out=True)
+
     def ppl_at(count: int) -> float:
-        plans[count] = allocate(Budget(float(count), num_layers * k_orig, num_layers), method, profile=profile,
-                                model=model, tokenizer=tokenizer,
-                                calib_text=calib_text, config=inner)
-        with apply_plan(model, plans[count]):
-            return evaluate_perplexity(model, None, "", score, windows=windows).perplexity
+        plans[count] = plan_at(count)
+        return _calib_ppl(model, plans[count], judge, inner)
 
     least = None
-    if addons(method, config)[0] and method != "auto":     # stand-ins on every layer: one expert each must fit
+    if fitted and method != "auto":     # stand-ins on every layer: one expert each must fit
         least = math.ceil(num_layers * (1 + (k_orig - 1) * standin_per_slot(model, config)) - 1e-9)
     try:
         found, tried = smallest_budget(num_layers, k_orig, target, full_ppl, ppl_at,
@@ -512,25 +545,50 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
                                        least=least)
     finally:
         bar.close()
-    # a Budget, not the bare count: Budget.parse reads a count <= 1 as a fraction (1 -> the full budget)
-    plan = plans.get(found) or allocate(Budget(float(found), num_layers * k_orig, num_layers), method,
-                                        profile=profile, model=model, tokenizer=tokenizer,
-                                        calib_text=calib_text, config=inner)
+    plan = _refitted(plans.get(found) or plan_at(found), model, tokenizer, calib_text, inner)
     plan.provenance = {**plan.provenance, "target": target_provenance(
-        target_ppl, target, full_ppl, found, tried, int(windows.numel() - windows.size(0)))}
+        target_ppl, target, full_ppl, found, tried, int(judge.numel() - judge.size(0)), plan.cost(),
+        "choose windows (calibrate/crossfit.py)" if fitted else "all calibration windows")}
     return plan
 
 
 def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refine_memo=None) -> Plan:
     """Try alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute (its
-    stand-ins paid from B), and the (k, stand-in) DP's allocation as alloc-l and alloc-moe, on
-    calibration windows; keep the best, then refine it."""
+    stand-ins paid from B), and the (k, stand-in) DP's allocation as alloc-l and alloc-moe; keep the
+    best, then refine it. With stand-ins, cross-fitted (calibrate/crossfit.py): they are fitted on the
+    fit windows, and every choice (trial, menu, move) is scored on the choose windows."""
     substitute, refine = addons("auto", config)
     candidates = [("alloc-l", None)]
     for k_base in sorted({0, 1, 2, config.k_base}):
         if k_base <= budget.per_layer:
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
-    means = _measure_means(model, windows, config) if substitute else None
+    fit, choose = split_windows(windows) if substitute else (windows, windows)
+    means = _measure_means(model, fit, config) if substitute else None
+    made = _auto_trials(budget, profile, model, config, means, candidates)
+    if means is not None and config.substitute is None:       # where stand-ins are worth their cost, per layer
+        made += [{"method": method, "k_base": k_base, "substitute": plan.means is not None, "menu": "k x stand-in",
+                  "k_per_layer": [p.k for _, p in sorted(plan.layers.items())],
+                  "standin_layers": sorted(plan.standins), "plan": plan}
+                 for method, k_base, plan in _menu_trials(budget, model, choose, config, means, candidates)]
+    trials = _scored(made, model, choose, config)
+    best = min(trials, key=lambda t: t["calibration_perplexity"])
+    plan = best["plan"]
+    plan.method = "auto"
+    plan.provenance = {"details": {"chosen": {k: v for k, v in best.items() if k not in ("plan", "calibration_perplexity")},
+                                   "trials": [{k: v for k, v in t.items() if k != "plan"} for t in trials]}}
+    if substitute:
+        plan.provenance["cross_fit"] = cross_fit_provenance(windows)
+    if refine:
+        chosen_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if best["k_base"] is None
+                                          else best["k_base"]})
+        plan = _refined(plan, model, choose, chosen_config, refine, refine_memo)
+    return plan
+
+
+def _auto_trials(budget: Budget, profile, model, config: AllocateConfig, means, candidates) -> list[dict]:
+    """auto's trials of each candidate (method, k_base): with stand-ins on every layer (`means`, paid
+    from B), without, or both, as the config and B allow; each unscored."""
+    substitute = means is not None
     modes = [False, True] if substitute and config.substitute is None else [bool(substitute)]
     budgets = {False: budget}
     if substitute:        # trials with stand-ins on every layer pay for them from B: the activations get the rest
@@ -550,22 +608,7 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
             plan.means = means if with_means else None
             plan.standins = standin_costs(model, means) if with_means else {}
             made.append({"method": method, "k_base": k_base, "substitute": with_means, "plan": plan})
-    if means is not None and config.substitute is None:       # where stand-ins are worth their cost, per layer
-        made += [{"method": method, "k_base": k_base, "substitute": plan.means is not None, "menu": "k x stand-in",
-                  "k_per_layer": [p.k for _, p in sorted(plan.layers.items())],
-                  "standin_layers": sorted(plan.standins), "plan": plan}
-                 for method, k_base, plan in _menu_trials(budget, model, windows, config, means, candidates)]
-    trials = _scored(made, model, windows, config)
-    best = min(trials, key=lambda t: t["calibration_perplexity"])
-    plan = best["plan"]
-    plan.method = "auto"
-    plan.provenance = {"details": {"chosen": {k: v for k, v in best.items() if k not in ("plan", "calibration_perplexity")},
-                                   "trials": [{k: v for k, v in t.items() if k != "plan"} for t in trials]}}
-    if refine:
-        chosen_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if best["k_base"] is None
-                                          else best["k_base"]})
-        plan = _refined(plan, model, windows, chosen_config, refine, refine_memo)
-    return plan
+    return made
 
 
 def _scored(trials: list[dict], model, windows, config: AllocateConfig) -> list[dict]:

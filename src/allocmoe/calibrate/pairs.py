@@ -10,9 +10,11 @@ more than the activations they displace would.
 Both tables come from the same calibration windows, through the same cells code (cells.py, prefix-cached
 as the profile is: each cell starts from the held states of its first reduced layer). Cells that
 coincide run once: (i, K_orig) with a stand-in is (i, K_orig) without it (nothing is skipped) and
-(i, K_orig) is (i + 1, 1): L*K - (L-1) plain cells and L*(K-1) with a stand-in. The tables are kept on
-the model, keyed by the windows, the means' rank, tokens and layers (auto measures the means on the
-same windows) and the batching, so a sweep's budgets measure them once.
+(i, K_orig) is (i + 1, 1): L*K - (L-1) plain cells and L*(K-1) with a stand-in. `auto` measures it on
+the choose windows of its calibration split, the means fitted on the fit windows (calibrate/crossfit.py),
+so the menu's choice is scored on text the stand-ins were not fitted on. The tables are kept on the
+model, keyed by the windows, the means themselves (a digest) and the batching, so a sweep's budgets
+measure them once.
 Not resumable and not on Ray or layer by layer (the profile is): a (k, stand-in) profile is one
 calibration pass per cell of the model as loaded.
 """
@@ -40,12 +42,22 @@ def pair_profile(model, windows: torch.Tensor, means: ExpertMeans, windows_per_p
     """{"plain": S[i][k-1], "standin": S'[i][k-1]} on `windows`, for MoE layer i (in MoE-layer order) and
     k in 1..K_orig: calibration perplexity of cell (i, k) without and with stand-ins on layer i alone;
     "cells" and "layer_passes" say what it ran. Memoised on the model (module docstring)."""
-    key = (hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), means.tokens, means.rank, tuple(sorted(means.means)),
+    key = (hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), _digest(means),
            windows_per_pass)
     memo = model.__dict__.setdefault(MEMO_ATTR, {})
     if key not in memo:
         memo[key] = _measure(model, windows, means, windows_per_pass, progress)
     return memo[key]
+
+
+def _digest(means: ExpertMeans) -> str:
+    """A digest of the means' values (safetensors' bytes are not stable: their header's order varies)."""
+    digest = hashlib.sha256(f"{means.tokens},{means.rank}".encode())
+    for index, mean in sorted(means.means.items()):
+        term = (means.linear or {}).get(index)
+        for tensor in (mean, *((term.input_mean, term.down, term.up) if term is not None else ())):
+            digest.update(tensor.detach().float().cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 def _measure(model, windows, means: ExpertMeans, windows_per_pass: int, progress: bool) -> dict[str, Any]:

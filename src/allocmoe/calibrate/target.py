@@ -1,17 +1,34 @@
 """A quality target instead of a budget: the smallest budget whose plan stays within a perplexity target.
 
 `allocate(target_ppl="5%", method=..., model=..., ...)` (or `allocmoe allocate --target-ppl 5%`)
-bisects over whole budgets, L..L*K_orig activations per token, with the chosen method: each step
-makes that budget's plan and scores it on the calibration text. A step costs one calibration pass for
-the profile-based and budget-only methods (the profile is reused); top-p and naee also rerun their
-calibration pass, lexi its L x K deviation passes, and auto its trials, at every step. The
-target is either relative to the full model's calibration perplexity ("5%": at most 1.05 x full) or
-an absolute perplexity ("157.0").
+bisects over whole budgets with the chosen method: each step makes that budget's plan and scores it.
+A budget is a plan's total cost per token, activations plus its stand-ins' activation-equivalents
+(core/budget.py), so the range is total cost: L (one expert per layer, no stand-ins) or, for a
+method with stand-ins on every layer, the smallest whole budget holding one expert per layer and its
+stand-ins, up to L*K_orig. The plan returned costs at most the budget found; its provenance
+(`target`) records that budget (`budget_found`), the plan's own total cost (`total_cost`) and every
+budget tried with its perplexity (`tried`).
 
-Bisection assumes calibration perplexity does not rise when the budget grows. It need not hold
+Which windows judge "meets the target": the full model's perplexity (for a relative target) and every
+step's plan are scored on the same windows. For a run whose plans carry stand-ins (`auto` with its
+default substitute, or `--substitute`), those are the choose windows of the cross-fitting split
+(calibrate/crossfit.py: the odd-numbered calibration windows), and each step's stand-ins are fitted
+on the fit windows (the even-numbered) alone: a budget is never judged on text its stand-ins were
+fitted on (auto's own choices within a step use the same choose windows). The plan returned then has
+its stand-ins refitted on all the calibration windows, keeping its layers and cost. A run without
+stand-ins fits nothing, and all the calibration windows judge. The judging windows' scored tokens are
+`calibration_tokens`, and `judged_on` names them.
+
+A step costs one calibration pass for the profile-based and budget-only methods (the profile is
+reused), plus a fit pass for the stand-ins; top-p and naee also rerun their calibration pass, lexi
+its L x K deviation passes, and auto its trials, at every step. The target is either relative to the
+full model's perplexity on the judging windows ("5%": at most 1.05 x full) or an absolute perplexity
+("157.0"). The full budget is scored as the unmodified model: its plan skips nothing, so even with
+stand-ins it spends all of it on experts (core/budget.py expert_budget gives L*K_orig back).
+
+Bisection assumes the judged perplexity does not rise when the budget grows. It need not hold
 exactly (the DP's allocations at neighbouring budgets can differ in several layers), so the answer
-is guaranteed to meet the target and to be the smallest budget meeting it among those tried, and
-every budget tried is recorded with its perplexity in the plan's provenance (`target.tried`), where a
+is guaranteed to meet the target and to be the smallest budget meeting it among those tried, where a
 user can check it. No test text is ever looked at.
 """
 
@@ -93,9 +110,14 @@ def smallest_budget(num_layers: int, k_orig: int, target: float, full_ppl: float
 
 
 def target_provenance(given: str | float, target: float, full_ppl: float, budget: int,
-                      tried: dict[int, float], calib_tokens: int) -> dict[str, Any]:
-    """What the plan records about how its budget was found."""
-    return {"given": str(given), "perplexity": round(target, 6), "full_calibration_perplexity": round(full_ppl, 6),
-            "budget_found": budget, "calibration_perplexity": round(tried[budget], 6),
-            "calibration_tokens": calib_tokens,
-            "tried": {str(b): round(p, 6) for b, p in sorted(tried.items())}}
+                      tried: dict[int, float], calib_tokens: int, cost: dict[str, Any] | None = None,
+                      judged_on: str = "all calibration windows") -> dict[str, Any]:
+    """What the plan records about how its budget was found: `budget` is a total cost bound, `cost`
+    the found plan's own (Plan.cost), `judged_on` the windows that judged (module docstring)."""
+    found = {"given": str(given), "perplexity": round(target, 6), "full_calibration_perplexity": round(full_ppl, 6),
+             "budget_found": budget, "calibration_perplexity": round(tried[budget], 6),
+             "calibration_tokens": calib_tokens, "judged_on": judged_on,
+             "tried": {str(b): round(p, 6) for b, p in sorted(tried.items())}}
+    if cost is not None:
+        found.update(total_cost=round(cost["total"], 9), activations=round(cost["activations"], 9))
+    return found

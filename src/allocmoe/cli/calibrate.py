@@ -34,8 +34,9 @@ def add_parsers(sub) -> None:
     p.add_argument("--budget", default=None, help="fraction of full (0.5, 1/2, 50%%) or count (78) of activations per token; with stand-ins "
                    "(--substitute, auto) it bounds activations plus their activation-equivalents")
     p.add_argument("--target-ppl", default=None, metavar="TARGET",
-                   help="instead of --budget: the smallest budget whose plan stays within this calibration "
-                        "perplexity, relative to the full model (5%%) or absolute (157.0)")
+                   help="instead of --budget: the smallest total budget whose plan stays within this calibration "
+                        "perplexity (with stand-ins, on the windows they were not fitted on), relative to the "
+                        "full model (5%%) or absolute (157.0)")
     p.add_argument("--method", default=None, choices=METHODS, help="allocation method (default: auto)")
     p.add_argument("--k-base", type=positive_int, default=None, help="Alloc-T: experts every token keeps (default 1)")
     p.add_argument("--pool", default=None, choices=("batch", "sequence"), help="Alloc-T pool extent (default: batch)")
@@ -278,11 +279,16 @@ class _AllocateRun:
 def _refine_memo(args, config, run: _AllocateRun, profile, name):
     """The refinement's resume file (<output>.refine.partial.json), keyed by what its scores depend on;
     None when nothing is refined (or a target search runs, which refines afresh per budget)."""
+    from ..calibrate.crossfit import SPLIT
+    from ..calibrate.methods import addons
     from ..calibrate.refine import SavedScores
 
     if not run.refine or args.target_ppl is not None:
         return None
-    return SavedScores(f"{args.output}.refine.partial.json", {
+    # with stand-ins the moves are scored on the choose windows only (calibrate/crossfit.py): a partial
+    # file from before, scored on every window, has no "scored_on" and is not resumed from
+    scored_on = SPLIT if addons(args.method, config)[0] else "all calibration windows"
+    return SavedScores(f"{args.output}.refine.partial.json", {"scored_on": scored_on,
         "model": run.fingerprint, "method": args.method, "budget": args.budget, "k_base": args.k_base,
         "pool": args.pool, "substitute": args.substitute, "substitute_rank": config.substitute_rank,
         "calibration": name, "calib_tokens": args.calib_tokens, "seq_len": run.seq_len,
@@ -297,8 +303,8 @@ def _say_plan(args, plan) -> None:
     if args.target_ppl is not None:
         found = plan.provenance["target"]
         print(f"target {found['perplexity']:.4g} (full model {found['full_calibration_perplexity']:.4g}): the "
-              f"smallest budget meeting it is {found['budget_found']}, calibration perplexity "
-              f"{found['calibration_perplexity']:.4g}; `allocmoe eval --plan {args.output}` gives the test figure",
+              f"smallest total budget meeting it is {found['budget_found']}, calibration perplexity "
+              f"{found['calibration_perplexity']:.4g} on {found.get('judged_on', 'calibration text')}; `allocmoe eval --plan {args.output}` gives the test figure",
               file=sys.stderr)
 
 

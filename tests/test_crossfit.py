@@ -1,0 +1,151 @@
+"""Cross-fitting (calibrate/crossfit.py): the stand-ins are fitted on the even calibration windows, every
+choice is scored on the odd ones, and the plan returned carries stand-ins refitted on all of them."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import pytest
+import torch
+
+from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity
+from allocmoe.calibrate import methods
+from allocmoe.calibrate.crossfit import split_windows
+from allocmoe.calibrate.means import measure_expert_means
+from allocmoe.scoring.perplexity import tokenize_windows
+
+RANK = 8
+
+
+@pytest.fixture(scope="module")
+def tiny(tiny_folder):
+    from conftest import budget_sensitive_tiny
+
+    return budget_sensitive_tiny(tiny_folder, "qwen3_moe")
+
+
+def ppl(model, plan, windows) -> float:
+    with apply_plan(model, plan):
+        return evaluate_perplexity(model, None, "", {"windows_per_pass": 4, "progress": False},
+                                   windows=windows).perplexity
+
+
+def equal_means(a, b) -> bool:
+    return set(a.means) == set(b.means) and all(torch.equal(a.means[i], b.means[i]) for i in a.means) and all(
+        torch.equal(getattr(a.linear[i], part), getattr(b.linear[i], part))
+        for i in (a.linear or {}) for part in ("input_mean", "down", "up"))
+
+
+def test_the_split_alternates_windows_and_refuses_fewer_than_two():
+    windows = torch.arange(5 * 3).reshape(5, 3)
+    fit, choose = split_windows(windows)
+    assert fit[:, 0].tolist() == [0, 6, 12] and choose[:, 0].tolist() == [3, 9]
+    with pytest.raises(AllocMoeError, match=r"at least 2 windows: give more --calib-tokens \(calib_tokens; at least 6\)"):
+        split_windows(windows[:1])
+
+
+def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
+    """Built so the stand-ins over-fit: the fit windows are one window of the text four times over, the
+    choose windows four others. auto's choice is the trial that brute force finds best on the choose
+    windows with stand-ins fitted (here, by the test) on the fit windows; scored on the fit windows
+    instead, in sample, the same trials would pick another, which is worse on the choose windows."""
+    from allocmoe.calibrate.profile import profile_sensitivity
+
+    model, tok, text = tiny
+    windows = tokenize_windows(tok, text, 64, 64 * 8)
+    fit, choose = windows[0:1].repeat(4, 1), windows[4:8]
+    calibration = torch.stack([w for pair in zip(fit, choose) for w in pair])        # fit, choose, fit, ...
+    monkeypatch.setattr(methods, "_calibration_windows", lambda *args: calibration)
+    made, as_scored, scored = [], [], methods._scored
+
+    def spy(trials, *args):                             # each trial's plan as scored (the chosen one is refitted)
+        made.extend(trials)
+        as_scored.extend(copy.copy(trial["plan"]) for trial in trials)
+        return scored(trials, *args)
+
+    monkeypatch.setattr(methods, "_scored", spy)
+    profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
+    plan = allocate(9, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
+                    config={"seq_len": 64, "calib_tokens": 512, "progress": False, "refine": 0,
+                            "substitute_rank": RANK})
+    fit_means = measure_expert_means(model, fit, 4, rank=RANK)
+    held_out, in_sample = [], []
+    for trial, mine in zip(made, as_scored):           # brute force, the test's own means and scores
+        if mine.means is not None:
+            assert equal_means(mine.means, fit_means.restricted(sorted(mine.means.means)))
+        held_out.append(ppl(model, mine, choose))
+        in_sample.append(ppl(model, mine, fit))
+        assert trial["calibration_perplexity"] == pytest.approx(held_out[-1], rel=1e-6)
+    assert len(made) == 18 and {t["substitute"] for t in made} == {True, False}
+    chosen = plan.provenance["details"]["chosen"]
+    best = min(range(len(made)), key=held_out.__getitem__)
+    assert held_out[made.index(next(t for t in made if all(t.get(k) == v for k, v in chosen.items())))] == min(held_out)
+    assert chosen["substitute"] == made[best]["substitute"] and chosen["method"] == made[best]["method"]
+    fitted_text_pick = min(range(len(made)), key=in_sample.__getitem__)
+    assert held_out[fitted_text_pick] > min(held_out) + 0.5                # a different, worse choice
+    assert plan.provenance["cross_fit"] == {"split": "alternate windows: even-numbered fit the stand-ins, "
+                                                     "odd-numbered choose", "fit_windows": 4, "choose_windows": 4,
+                                            "fit_tokens": 256, "choose_scored_tokens": 252,
+                                            "final_means_windows": 8, "final_means_tokens": 512}
+    assert plan.means is not None                       # the plan returned: stand-ins fitted on all 8 windows
+    everything = measure_expert_means(model, calibration, 4, rank=RANK)
+    assert equal_means(plan.means, everything.restricted(sorted(plan.means.means)))
+    assert not equal_means(plan.means, fit_means.restricted(sorted(plan.means.means)))
+    assert plan.cost()["total"] <= 9 + 1e-9
+
+
+def test_the_final_means_are_fitted_on_every_window_and_cost_what_the_chosen_ones_did(tiny):
+    model, tok, text = tiny
+    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "substitute": True,
+              "substitute_rank": RANK, "refine": 4}
+    plan = allocate(10, "alloc-t", model=model, tokenizer=tok, calib_text=text, config=config)
+    windows = tokenize_windows(tok, text, 64, 512)
+    assert equal_means(plan.means, measure_expert_means(model, windows, 4, rank=RANK))
+    chosen = allocate(10, "alloc-t", model=model, tokenizer=tok, calib_text=text,
+                      config={**config, "refine": 0})           # nothing chosen: fitted on all windows at once
+    assert "cross_fit" not in chosen.provenance and equal_means(chosen.means, plan.means)
+    assert plan.cost()["standins"] == pytest.approx(sum((4 - p.k) * plan.standins[i] for i, p in plan.layers.items()))
+
+
+def test_one_calibration_window_is_refused_where_stand_ins_are_chosen_on(tiny):
+    model, tok, text = tiny
+    one = {"seq_len": 64, "calib_tokens": 64, "windows_per_pass": 1, "progress": False}
+    with pytest.raises(AllocMoeError, match="give more --calib-tokens"):
+        allocate(9, "uniform", model=model, tokenizer=tok, calib_text=text,
+                 config={**one, "substitute": True, "refine": 2})
+    plan = allocate(9, "uniform", model=model, tokenizer=tok, calib_text=text, config={**one, "refine": 2})
+    assert plan.means is None                           # nothing fitted: one window is enough to choose on
+
+
+def test_a_refinement_partial_file_scored_in_sample_is_not_resumed(tiny_folder, tmp_path):
+    """The resume file's key says where its scores were taken: one from before cross-fitting (no
+    "scored_on") is started afresh, not reused."""
+    from allocmoe.cli import main
+
+    out = tmp_path / "p.json"
+    argv = ["allocate", "--model", str(tiny_folder), "--method", "uniform", "--budget", "0.75", "--substitute",
+            "--substitute-rank", "2", "--refine", "3", "--seq-len", "64", "--calib-tokens", "512",
+            "--output", str(out), "--quiet"]
+    seen = {}
+    from allocmoe.calibrate import refine
+
+    real = refine.SavedScores.__init__
+
+    def spy(self, path, key):
+        real(self, path, key)
+        seen.update(key=key, resumed=dict(self))
+
+    partial = tmp_path / "p.json.refine.partial.json"
+    import unittest.mock as mock
+
+    with mock.patch.object(refine.SavedScores, "__init__", spy):
+        main(argv)
+        old_key = {k: v for k, v in seen["key"].items() if k != "scored_on"}
+        partial.write_text(json.dumps({"key": old_key, "scores": {"1:1,2:1,3:1": 1.0}}))
+        main(argv)
+    assert seen["key"]["scored_on"].startswith("alternate windows") and seen["resumed"] == {}
+    partial.write_text(json.dumps({"key": seen["key"], "scores": {"1:1,2:1,3:1": 1.0}}))
+    with mock.patch.object(refine.SavedScores, "__init__", spy):
+        main(argv)                                      # the same key, by contrast, is resumed from
+    assert seen["resumed"] == {"1:1,2:1,3:1": 1.0}
