@@ -43,7 +43,8 @@ def by_hand(model, windows, plan, rank):
         moments = _Moments(fp["num_experts"], COMMON["hidden_size"], True)     # the plain fit's sums
         for e in range(fp["num_experts"]):
             rows = (idx == e).any(-1)
-            moments.add(torch.full((int(rows.sum()),), e), x[rows].double(), expert_output(experts, x[rows], e).double())
+            y = expert_output(experts, x[rows], e)
+            moments.add(torch.full((int(rows.sum()),), e), x[rows].double(), y.double())
         fitted[index] = (moments.means(), moments.linear(rank))
     return fitted
 
