@@ -16,13 +16,16 @@ only how the skipped slots are stood in for changes. Every fit and choice on cal
                2 H R_l + H <= (K - k_l) (2 H r + H)
   beside       (b) rank-4 stand-ins plus a correction fitted to what they leave, R_l paying for the
                rank 8 -> 4 saving: 2 H R_l + H <= (K - k_l) 8 H
+  chosen       (a) as `auto` could use it: today's fit or the sequential refit, whichever scores better on
+               the second half of the calibration windows when both are fitted on the first; then
+               fitted on all of them
   ridge        (c) the stand-ins' ridge chosen from 1e-2 (today), 1e-1, 1 by fitting on the first half of
                the calibration windows and scoring the second half; refit on all with the winner
 
 The correction is prototyped here with forward hooks on the MoE blocks: it is not in the plan format.
 
-    python benchmarks/standin_directions.py [--budgets 1/2,1/3] [--profile PROFILE.json]
-           [--output docs/quality/standin_directions.json]
+    python benchmarks/standin_directions.py [--budgets 1/3,1/2,2/3,5/6] [--directions today,sequential,...]
+           [--profile PROFILE.json] [--output docs/quality/standin_directions.json]
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -133,51 +137,77 @@ def choose_ridge(model, calib, plan) -> tuple[float, dict]:
     return min(scores, key=scores.get), scores
 
 
-def run_budget(model, tok, calib_text, calib, test, profile, budget: str, corrections: Corrections) -> list[dict]:
+def choose_refit(model, calib, plan) -> tuple[str, dict]:
+    """Today's fit or the sequential refit, whichever scores better on the second half of the calibration
+    windows when both are fitted on the first (the choice `auto` can make on calibration text alone)."""
+    first, second = calib[: len(calib) // 2], calib[len(calib) // 2:]
+    plan.means = measure_expert_means(model, first, rank=RANK)
+    scores = {"today": ppl(model, second, plan)}
+    plan.means = refit_expert_means(model, first, plan)
+    scores["sequential"] = ppl(model, second, plan)
+    return min(scores, key=scores.get), scores
+
+
+def direction_steps(model, calib, plan, today, corrections: Corrections) -> dict:
+    """Per direction, a step that sets the plan's stand-ins (and the corrections) and returns what to record."""
     hidden = model.config.hidden_size
+
+    def standins(means):
+        plan.means = means
+        return {}
+
+    def correction(rank, per_slot):
+        plan.means = measure_expert_means(model, calib, rank=rank) if rank else None
+        ranks = correction_ranks(plan, hidden, per_slot)
+        corrections.fit(model, calib, plan, ranks)
+        return {"ranks": ranks, "standin_rank": rank, "correction_equivalents": equivalents(model, ranks)}
+
+    def chosen():
+        choice, scores = choose_refit(model, calib, plan)
+        plan.means = today
+        plan.means = refit_expert_means(model, calib, plan) if choice == "sequential" else today
+        return {"chose": choice, "held_out": scores}
+
+    def ridge():
+        best, scores = choose_ridge(model, calib, plan)
+        plan.means = today if best == RIDGE else measure_expert_means(model, calib, rank=RANK, ridge=best)
+        return {"ridge": best, "held_out": {str(r): s for r, s in scores.items()}}
+
+    return {"today": lambda: standins(today),
+            "sequential": lambda: standins(refit_expert_means(model, calib, replace(plan, means=today))),
+            "correction": lambda: correction(0, hidden * (2 * RANK + 1)),
+            "beside": lambda: correction(RANK // 2, hidden * 2 * (RANK - RANK // 2)),
+            "chosen": chosen, "ridge": ridge}
+
+
+def run_budget(model, tok, calib_text, calib, test, profile, budget: str, corrections: Corrections,
+               directions: list[str]) -> list[dict]:
     started = time.time()                # allocate fits today's stand-ins on the same calibration windows
     plan = allocmoe.allocate(budget, "alloc-moe", profile=profile, model=model, tokenizer=tok, calib_text=calib_text,
                              config={"substitute": True, "k_base": 0, "substitute_rank": RANK, "refine": 0,
                                      "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS, "progress": False})
     today, fit_today = plan.means, time.time() - started
+    steps = direction_steps(model, calib, plan, today, corrections)
     rows = []
-
-    def row(name, fit_seconds, **extra):
+    for name in directions:
+        started = time.time()
+        extra = steps[name]()
+        fit_seconds = fit_today if name == "today" else time.time() - started
         started = time.time()
         got = ppl(model, test, plan, corrections, corrections.terms)
         rows.append({"budget": budget, "direction": name, "test": got, "fit_seconds": round(fit_seconds, 1),
                      "k": plan.k_text(), "cost": plan.cost(), **extra})
         print(f"{budget:>4} {name:12} test {got:8.2f}   fit {fit_seconds:6.1f} s, eval {time.time() - started:5.1f} s "
               f"{extra or ''}", flush=True)
-
-    row("today", fit_today)
-    started = time.time()
-    plan.means = refit_expert_means(model, calib, plan)
-    row("sequential", time.time() - started)
-    means, plan.means = plan.means, None
-    ranks = correction_ranks(plan, hidden, hidden * (2 * RANK + 1))
-    started = time.time()
-    corrections.fit(model, calib, plan, ranks)
-    row("correction", time.time() - started, ranks=ranks, correction_equivalents=equivalents(model, ranks))
-    started = time.time()
-    plan.means = measure_expert_means(model, calib, rank=RANK // 2)
-    ranks = correction_ranks(plan, hidden, hidden * 2 * (RANK - RANK // 2))
-    corrections.fit(model, calib, plan, ranks)
-    row("beside", time.time() - started, ranks=ranks, standin_rank=RANK // 2,
-        correction_equivalents=equivalents(model, ranks))
-    corrections.terms = {}
-    started = time.time()
-    ridge, scores = choose_ridge(model, calib, plan)
-    plan.means = today if ridge == RIDGE else measure_expert_means(model, calib, rank=RANK, ridge=ridge)
-    row("ridge", time.time() - started, ridge=ridge, held_out={str(r): s for r, s in scores.items()})
     return rows
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--budgets", default="1/2,1/3")
+    parser.add_argument("--budgets", default="1/3,1/2,2/3,5/6")
     parser.add_argument("--profile", type=Path, default=None, help="a profile of the built-in model at these "
                         "settings (allocmoe profile's output) to reuse; default: profile here")
+    parser.add_argument("--directions", default="today,sequential,chosen,correction,beside,ridge")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--output", type=Path, default=None, help="also write the rows as JSON")
     args = parser.parse_args()
@@ -195,7 +225,8 @@ def main() -> None:
           f"{calib.numel() - calib.size(0)} scored tokens, test {test.numel() - test.size(0)}", flush=True)
     corrections = Corrections(model)
     rows = [row for budget in args.budgets.split(",")
-            for row in run_budget(model, tok, calib_text, calib, test, profile, budget, corrections)]
+            for row in run_budget(model, tok, calib_text, calib, test, profile, budget, corrections,
+                                   args.directions.split(","))]
     print(f"# {time.time() - started:.0f} s")
     if args.output:
         args.output.write_text(json.dumps({"machine": cpu_name(), "threads": args.threads, "rows": rows}, indent=1))
