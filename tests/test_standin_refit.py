@@ -82,3 +82,34 @@ def test_only_the_layers_with_stand_ins_are_refitted_at_the_plans_rank_or_the_on
     plan.means = None
     with pytest.raises(AllocMoeError, match="no stand-ins to refit"):
         refit_expert_means(model, windows, plan)
+
+
+@torch.no_grad()
+def test_the_fit_is_chosen_on_the_held_out_half_and_then_made_on_all_windows():
+    """By hand: both fits on the first half, perplexity of each on the second, the winner refitted on all."""
+    from allocmoe.calibrate.means import choose_standin_fit
+    from allocmoe.scoring.perplexity import evaluate_perplexity
+
+    model = build_tiny("olmoe")
+    fp = model_fingerprint(model)
+    windows = torch.randint(0, COMMON["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(6))
+    plan = Plan(model=fp, layers={i: AllocT(k=1.5, k_base=0) for i in fp["moe_layers"]}, method="test", budget=4.5)
+    plan.means = measure_expert_means(model, windows, rank=2)
+    means, record = choose_standin_fit(model, windows, plan)
+    first, second = windows[:4], windows[4:]
+    fits = {"plain": measure_expert_means(model, first, rank=2)}
+    fits["sequential"] = refit_expert_means(model, first, Plan(**{**plan.__dict__, "means": fits["plain"]}))
+    held_out = {}
+    for name, fitted in fits.items():
+        with apply_plan(model, Plan(**{**plan.__dict__, "means": fitted})):
+            held_out[name] = evaluate_perplexity(model, None, "", {"progress": False}, windows=second).perplexity
+    assert record["held_out"] == pytest.approx(held_out, rel=1e-6)
+    assert record["chose"] == min(held_out, key=held_out.get)
+    want = refit_expert_means(model, windows, plan) if record["chose"] == "sequential" else plan.means
+    for index in fp["moe_layers"]:
+        torch.testing.assert_close(means.means[index], want.means[index])
+        torch.testing.assert_close(means.linear[index].down @ means.linear[index].up,
+                                   want.linear[index].down @ want.linear[index].up)
+    plan.means = None
+    with pytest.raises(AllocMoeError, match="needs a plan with stand-ins"):
+        choose_standin_fit(model, windows, plan)
