@@ -182,7 +182,8 @@ def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int
     (the plain one and `refit_expert_means`) are made on the first half of `windows` and scored on the
     second; the winner is then fitted on all of them. Returns (the means, a record of the choice:
     {"chose": "plain" | "sequential", "held_out": {fit: perplexity}}). The refit won on test text
-    where plans cut deep and lost at 5/6 (docs/quality.md), so it is taken only where it wins here.
+    where plans cut deep and lost at 5/6 (docs/quality.md), so it is taken only where it wins here
+    (on the built-in model the held-out half still chose it at 5/6: a guard, not a cure).
     Costs two half passes per layer with stand-ins plus the final fit."""
     from ..routing.apply import apply_plan
     from ..scoring.perplexity import evaluate_perplexity
