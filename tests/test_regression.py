@@ -1,0 +1,67 @@
+"""core/regression.py: the reduced-rank ridge fit against brute force (lstsq on the augmented system + SVD)."""
+
+import pytest
+import torch
+
+from allocmoe.core.regression import Moments, reduced_rank_ridge
+
+
+def data(n=400, h_in=12, h_out=10, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, h_in, generator=gen, dtype=torch.float64) * torch.linspace(0.2, 3, h_in, dtype=torch.float64)
+    y = torch.tanh(x @ torch.randn(h_in, h_out, generator=gen, dtype=torch.float64)) + 0.5   # not linear, offset
+    return x, y
+
+
+def brute_force(x, y, rank, ridge):
+    """Centred ridge least squares as one lstsq on [X; sqrt(lambda n) I], then the best rank-r
+    approximation (truncated SVD) of the fitted outputs."""
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    strength = ridge * float((xc ** 2).sum(0).mean())                  # the mean input variance, times n
+    eye = torch.eye(x.size(1), dtype=torch.float64)
+    b = torch.linalg.lstsq(torch.cat([xc, strength ** 0.5 * eye]),
+                           torch.cat([yc, torch.zeros(x.size(1), y.size(1), dtype=torch.float64)])).solution
+    u, s, vh = torch.linalg.svd(xc @ b, full_matrices=False)
+    return b, u[:, :rank] * s[:rank] @ vh[:rank]
+
+
+@pytest.mark.parametrize("rank", [1, 4, 10])
+@pytest.mark.parametrize("ridge", [0.0, 1e-2, 1.0])
+def test_the_fit_is_the_truncated_svd_of_the_ridge_solution(rank, ridge):
+    x, y = data()
+    moments = Moments(x.size(1), y.size(1))
+    for part_x, part_y in zip(x.split(64), y.split(64)):             # summed in pieces, as the hooks do
+        moments.add(part_x, part_y)
+    x_mean, y_mean, down, up = moments.fit(rank, ridge)
+    b, best = brute_force(x, y, rank, ridge)
+    torch.testing.assert_close(x_mean, x.mean(0))
+    torch.testing.assert_close(y_mean, y.mean(0))
+    assert down.shape == (x.size(1), rank) and up.shape == (rank, y.size(1))
+    torch.testing.assert_close((x - x_mean) @ down @ up, best, rtol=1e-7, atol=1e-9)
+    if rank == y.size(1):                                              # full rank: the ridge map itself
+        torch.testing.assert_close(down @ up, b, rtol=1e-7, atol=1e-9)
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_error_left_on_the_fit_data_never_grows_with_the_rank(seed):
+    """Rank 0 is the mean alone (never worse than nothing); each rank removes at least as much."""
+    x, y = data(seed=seed)
+    moments = Moments(x.size(1), y.size(1))
+    moments.add(x, y)
+    errors = [float((y ** 2).sum())]                                   # no correction at all
+    for rank in range(0, y.size(1) + 1):
+        x_mean, y_mean, down, up = moments.fit(rank, 1e-2)
+        errors.append(float(((y - y_mean - (x - x_mean) @ down @ up) ** 2).sum()))
+    assert all(later <= earlier + 1e-9 for earlier, later in zip(errors, errors[1:]))
+    assert errors[-1] < errors[1] < errors[0]
+
+
+def test_the_map_alone_matches_the_moments_fit():
+    x, y = data(seed=3)
+    xc, yc = x - x.mean(0), y - y.mean(0)
+    n = x.size(0)
+    down, up = reduced_rank_ridge(xc.T @ xc / n, xc.T @ yc / n, 3, 1e-2)
+    moments = Moments(x.size(1), y.size(1))
+    moments.add(x, y)
+    _, _, down2, up2 = moments.fit(3, 1e-2)
+    torch.testing.assert_close(down @ up, down2 @ up2)
