@@ -170,3 +170,32 @@ def policy_from_layer_entry(entry, k_orig: int):
     data["layers"]["0"] = entry
     data.pop("cost", None)      # the cost block describes the StaticTopK(1) layer replaced above; it is optional
     return Plan.from_dict(data).layers[0]
+
+
+def expert_inputs(model, windows, layer_index: int, plan=None):
+    """(inputs [T, H], top-K experts [T, K]) that MoE layer `layer_index`'s experts receive over
+    `windows`, from the unmodified model or under `plan`, recorded by a hook on the experts."""
+    import contextlib
+
+    import torch
+
+    from allocmoe import apply_plan
+
+    seen = []
+    experts = model.model.layers[layer_index].mlp.experts
+    hook = experts.register_forward_pre_hook(lambda m, args: seen.append((args[0], args[1])))
+    try:
+        with torch.no_grad(), (apply_plan(model, plan) if plan is not None else contextlib.nullcontext()):
+            for batch in windows.split(4):
+                model(batch)
+    finally:
+        hook.remove()
+    return torch.cat([h for h, _ in seen]), torch.cat([i for _, i in seen])
+
+
+def olmoe_expert_output(experts, x, e):
+    """OLMoE's expert e, written out: down(silu(gate x) * up x)."""
+    import torch
+
+    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
+    return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])

@@ -8,25 +8,7 @@ import torch
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, model_fingerprint
 from allocmoe.calibrate.means import _Moments, measure_expert_means, refit_expert_means
 from allocmoe.core.means import ExpertMeans
-from conftest import COMMON, build_tiny
-
-
-def recorded_inputs(model, windows, plan, layer_index):
-    """(inputs [T, H], top-K experts [T, K]) layer `layer_index`'s experts receive under `plan`."""
-    seen = []
-    experts = model.model.layers[layer_index].mlp.experts
-    hook = experts.register_forward_pre_hook(lambda m, args: seen.append((args[0], args[1])))
-    with torch.no_grad(), apply_plan(model, plan):
-        for batch in windows.split(4):
-            model(batch)
-    hook.remove()
-    return torch.cat([h for h, _ in seen]), torch.cat([i for _, i in seen])
-
-
-def expert_output(experts, x, e):
-    """OLMoE's expert e, written out: down(silu(gate x) * up x)."""
-    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
+from conftest import COMMON, build_tiny, expert_inputs, olmoe_expert_output
 
 
 def by_hand(model, windows, plan, rank):
@@ -38,12 +20,12 @@ def by_hand(model, windows, plan, rank):
                      layers={i: plan.layers[i] if i < index else StaticTopK(fp["k_orig"]) for i in fp["moe_layers"]},
                      means=ExpertMeans({i: m for i, (m, _) in fitted.items()}, tokens=1,
                                        linear={i: t for i, (_, t) in fitted.items()}) if fitted else None)
-        x, idx = recorded_inputs(model, windows, below, index)
+        x, idx = expert_inputs(model, windows, index, below)
         experts = model.model.layers[index].mlp.experts
         moments = _Moments(fp["num_experts"], COMMON["hidden_size"], True)     # the plain fit's sums
         for e in range(fp["num_experts"]):
             rows = (idx == e).any(-1)
-            y = expert_output(experts, x[rows], e)
+            y = olmoe_expert_output(experts, x[rows], e)
             moments.add(torch.full((int(rows.sum()),), e), x[rows].double(), y.double())
         fitted[index] = (moments.means(), moments.linear(rank))
     return fitted

@@ -12,31 +12,13 @@ from allocmoe.cli import main
 from allocmoe.core.means import ExpertMeans, LinearTerm, read_means
 from allocmoe.routing.layout import load_plan
 from allocmoe.routing.substitute import LayerSubstitute
-from conftest import COMMON, build_tiny
+from conftest import COMMON, build_tiny, expert_inputs, olmoe_expert_output
 
 
 def plan_of(model, k):
     fp = model_fingerprint(model)
     return Plan(model=fp, layers={i: StaticTopK(k) for i in fp["moe_layers"]}, method="test",
                 budget=float(k * fp["num_moe_layers"]))
-
-
-def routed_pairs(model, windows, layer_index):
-    """(inputs [T, H], top-K experts [T, K]) the unmodified model hands layer `layer_index`'s experts."""
-    seen = []
-    experts = model.model.layers[layer_index].mlp.experts
-    hook = experts.register_forward_pre_hook(lambda m, args: seen.append((args[0], args[1])))
-    with torch.no_grad():
-        for batch in windows.split(4):
-            model(batch)
-    hook.remove()
-    return torch.cat([h for h, _ in seen]), torch.cat([i for _, i in seen])
-
-
-def expert_output(experts, x, e):
-    """OLMoE's expert e, written out: down(silu(gate x) * up x)."""
-    gate, up = torch.nn.functional.linear(x, experts.gate_up_proj[e]).chunk(2, dim=-1)
-    return torch.nn.functional.linear(experts.act_fn(gate) * up, experts.down_proj[e])
 
 
 @pytest.mark.parametrize("rank", [3, COMMON["hidden_size"]])
@@ -50,12 +32,12 @@ def test_the_linear_term_is_the_reduced_rank_ridge_fit_of_each_experts_routed_to
     hidden = COMMON["hidden_size"]
     fitted = measure_expert_means(model, windows, batch_size=4, rank=rank)
     assert fitted.rank == rank
-    h, idx = routed_pairs(model, windows, 1)
+    h, idx = expert_inputs(model, windows, 1)
     term, experts = fitted.linear[1], model.model.layers[1].mlp.experts
     checked = 0
     for e in range(model.config.num_experts):
         rows = (idx == e).any(-1)
-        x, y = h[rows].double(), expert_output(experts, h[rows], e).double()
+        x, y = h[rows].double(), olmoe_expert_output(experts, h[rows], e).double()
         if rows.sum() < hidden:                                        # too few tokens: the mean alone
             assert torch.equal(term.down[e], torch.zeros_like(term.down[e]))
             continue
