@@ -131,17 +131,27 @@ class VllmElastic(Controller):
         self._last: tuple[float, set[str]] | None = None      # the previous decode step's end, its requests
         self._ids: list[str] = []                               # the requests of the step in progress
         self._seen: set[int] = set()                            # rungs that ran a step (the first is not learnt)
+        self._limits_of: dict[str, tuple] = {}                  # the last step's requests: _limits
 
     def begin(self) -> None:
         self._start = clock()
 
-    def plan_of(self, extra_args, named: int | None, rung: int) -> int:
-        """The plan index of one request in a step decided at `rung`."""
-        if named is not None:
-            return named
-        if not opted_in(extra_args):
-            return self.rungs[0].index
-        return self.rungs[min(rung, self.floor(request_floor(extra_args, self.plans, False)))].index
+    def _limits(self, requests: list[tuple[str, int, object, int | None]]) -> list[tuple[bool, int | None]]:
+        """Per request of the step, (elastic, the poorest rung it may run: None when it keeps its named plan,
+        0 when it opted out). Read from its extra_args once per request, not at every step: they do not
+        change while it runs, and parsing a floor costs about 20 us, a request of every step's batch. The
+        cache holds the step's requests only, each with the extra_args object it was read from."""
+        known, limits = self._limits_of, {}
+        for rid, _, args, named in requests:
+            hit = known.get(rid)
+            if hit is None or hit[0] is not args or hit[1] != named:
+                elastic = named is None and opted_in(args)
+                reach = None if named is not None else \
+                    self.floor(request_floor(args, self.plans, False)) if elastic else 0
+                hit = (args, named, elastic, reach)
+            limits[rid] = hit
+        self._limits_of = limits
+        return [limits[rid][2:] for rid, _, _, _ in requests]
 
     def choose(self, requests: list[tuple[str, int, object, int | None]], agree=lambda rung: rung) -> list[int]:
         """Plan indices for a step of (request id, its tokens, its extra_args, its named plan or None);
@@ -149,8 +159,10 @@ class VllmElastic(Controller):
         tokens, rows = sum(n for _, n, _, _ in requests), len(requests)
         rung, predicted = self.decide(rows)
         rung = agree(rung)
-        chosen = [self.plan_of(args, named, rung) for _, _, args, named in requests]
-        elastic = any(named is None and opted_in(args) for _, _, args, named in requests)
+        limits = self._limits(requests)
+        chosen = [named if reach is None else self.rungs[min(rung, reach)].index
+                  for (_, _, _, named), (_, reach) in zip(requests, limits)]
+        elastic = any(flexible for flexible, _ in limits)
         at = rung if elastic else self.fixed_rung(set(chosen))
         predicted = predicted if elastic or at is None else self.times.predict(at, rows)
         self._pending = (tokens, rows, at, predicted)
