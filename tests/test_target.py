@@ -171,3 +171,32 @@ def test_auto_with_a_target_chooses_and_is_judged_on_the_same_held_out_windows(t
     chosen = min(t["calibration_perplexity"] for t in plan.provenance["details"]["trials"])
     assert found["calibration_perplexity"] == pytest.approx(chosen, rel=1e-6)
     assert found["total_cost"] == pytest.approx(plan.cost()["total"]) and plan.cost()["total"] <= 3 + 1e-9
+
+
+def test_a_target_search_measures_each_windows_means_once_and_gives_the_same_plan(tiny, monkeypatch):
+    """The search makes a plan per budget, each with stand-ins fitted on the same fit windows, then refits
+    on all: two measurements (fit, all), not one per budget plus one. The plan is the one the unmemoised
+    measuring gives (means equal bit for bit); a second allocate() call measures afresh."""
+    import allocmoe.calibrate.means as means_module
+    from allocmoe.scoring.perplexity import tokenize_windows
+
+    model, tok, text = tiny
+    config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "substitute": True,
+              "substitute_rank": 2}
+    real, calls = means_module.measure_expert_means, []
+
+    def counted(model, windows, *args, **kwargs):
+        calls.append(tuple(windows.shape))
+        return real(model, windows, *args, **kwargs)
+
+    monkeypatch.setattr(means_module, "measure_expert_means", counted)
+    plan = allocate(method="uniform", target_ppl="20%", model=model, tokenizer=tok, calib_text=text, config=config)
+    assert len(plan.provenance["target"]["tried"]) >= 2
+    assert sorted(calls) == [(4, 64), (8, 64)]
+    calls.clear()
+    again = allocate(plan.budget / 12, "uniform", model=model, tokenizer=tok, calib_text=text,
+                     config={**config, "refine": 1})
+    assert sorted(calls) == [(4, 64), (8, 64)]           # a new call, a new memo: fit windows, then all
+    fresh = real(model, tokenize_windows(tok, text, 64, 512), 4, rank=2)
+    for p in (plan, again):
+        assert all(torch.equal(p.means.means[i], fresh.means[i]) for i in p.means.means)

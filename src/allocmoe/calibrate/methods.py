@@ -29,9 +29,11 @@ calibration text: their real cost drifts with the input, so always report measur
 
 from __future__ import annotations
 
+import hashlib
 import math
-
-from typing import Any, MutableMapping
+from contextlib import contextmanager
+from contextvars import ContextVar
+from typing import Any, Iterator, MutableMapping
 
 import torch
 from tqdm import tqdm
@@ -282,6 +284,26 @@ def _model_from_folder(model, method: str, profile_given: bool, target_ppl, conf
 
 
 # -- the entry point -----------------------------------------------------------------------------
+# The expert means measured during one outermost allocate() call, keyed by the windows and the rank:
+# a target's search makes a plan per budget and auto then refits, all from the same windows, and each
+# measuring would otherwise be a full calibration pass over the same text (identical means each time).
+_MEANS_MEMO: ContextVar[dict | None] = ContextVar("allocmoe_means_memo", default=None)
+
+
+@contextmanager
+def _means_memo() -> Iterator[None]:
+    """Open the memo for an outermost allocate() call; nested calls share it; it closes with the call
+    (so a model changed between two calls is measured afresh)."""
+    if _MEANS_MEMO.get() is not None:
+        yield
+        return
+    token = _MEANS_MEMO.set({})
+    try:
+        yield
+    finally:
+        _MEANS_MEMO.reset(token)
+
+
 def allocate(budget: str | float | Budget | None = None, method: str = "auto", *, profile: dict | None = None,
              model=None, tokenizer=None, calib_text: str | None = None, config: AllocateConfig | dict | None = None,
              target_ppl: str | float | None = None, refine_memo: MutableMapping[str, float] | None = None) -> Plan:
@@ -292,6 +314,12 @@ def allocate(budget: str | float | Budget | None = None, method: str = "auto", *
     `model` may be a model folder (a path or inspect_model's ModelSpec, even one of config.json alone)
     for the runs that read only its config (weights_reason: uniform, ascending, descending, alloc-t,
     and alloc-moe or alloc-l given a profile)."""
+    with _means_memo():
+        return _allocate(budget, method, profile, model, tokenizer, calib_text, config, target_ppl, refine_memo)
+
+
+def _allocate(budget, method: str, profile, model, tokenizer, calib_text, config, target_ppl, refine_memo) -> Plan:
+    """allocate(), inside its call's means memo."""
     config = checked_config(AllocateConfig, config)
     model = _model_from_folder(model, method, profile is not None, target_ppl, config)
     profile = _check_arguments(budget, method, profile, model, tokenizer, calib_text, target_ppl, refine_memo)
@@ -445,10 +473,19 @@ def standin_per_slot(model, config: AllocateConfig) -> float:
 
 
 def _measure_means(model, windows, config: AllocateConfig):
+    """The expert means on `windows`, measured once per outermost allocate() call (_MEANS_MEMO)."""
     from .means import measure_expert_means
 
-    return measure_expert_means(model, windows, config.windows_per_pass, progress=config.progress,
-                                rank=config.substitute_rank)
+    memo = _MEANS_MEMO.get()
+    key = (id(model), hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), tuple(windows.shape),
+           config.windows_per_pass, config.substitute_rank)
+    if memo is not None and key in memo:
+        return memo[key]
+    means = measure_expert_means(model, windows, config.windows_per_pass, progress=config.progress,
+                                 rank=config.substitute_rank)
+    if memo is not None:
+        memo[key] = means
+    return means
 
 
 def _refined(plan: Plan, model, windows, config: AllocateConfig, passes: int, memo) -> Plan:
