@@ -3,7 +3,7 @@
 checkpoints and validation points, so a change to any of them reaches every model.
 
 Not run by CI or tests. `pretrain` is stage 1 (resumable, time-bounded); `add_pretrain_flags` its
-flags; `token_ids` the train split tokenised once and cut into train and validation ids;
+flags; `token_ids` the train text tokenised once and cut into train and validation ids;
 `save_trained` writes a finished model with its tokenizer and training curve.
 """
 
@@ -39,12 +39,13 @@ def add_pretrain_flags(parser: argparse.ArgumentParser, steps: int, max_minutes:
     parser.add_argument("--eval-every", type=int, default=100)
 
 
-def token_ids(tok, work_dir: Path) -> tuple[torch.Tensor, torch.Tensor]:
-    """(train ids, validation ids): the train split tokenised once (cached in work_dir/train_ids.pt),
-    its last VAL_TOKENS held out for validation."""
-    ids_path = work_dir / "train_ids.pt"
+def token_ids(tok, work_dir: Path, read_text=None, cache: str = "train_ids.pt") -> tuple[torch.Tensor, torch.Tensor]:
+    """(train ids, validation ids): the train text (`read_text()`; default the built-in train split)
+    tokenised once (cached in work_dir/`cache`), its last VAL_TOKENS held out for validation."""
+    ids_path = work_dir / cache
     if not ids_path.exists():
-        torch.save(torch.tensor(tok(read_split("train"))["input_ids"], dtype=torch.long), ids_path)
+        text = read_text() if read_text else read_split("train")
+        torch.save(torch.tensor(tok(text)["input_ids"], dtype=torch.long), ids_path)
     ids = torch.load(ids_path)
     return ids[:-VAL_TOKENS], ids[-VAL_TOKENS:]
 
