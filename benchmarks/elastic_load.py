@@ -1,14 +1,17 @@
 """The elastic budget under a ramping load (issue 38): `allocmoe serve --latency-target-ms T` beside
 the full model, on loopback, in one run that stops by itself.
 
-    python benchmarks/elastic_load.py                                  # small defaults, a few minutes
-    python benchmarks/elastic_load.py --num-layers 4 --levels 1,4,16,32,16,4,1 --level-seconds 20
+    python benchmarks/elastic_load.py                                  # defaults below, about 20 minutes
+    python benchmarks/elastic_load.py --num-layers 3 --vocab-size 102400   # the first run's model (docs/serve.md)
 
 The model is the DeepSeek-V2-Lite shape with random weights that `allocmoe bench` builds
 (`synthetic:deepseek-v2-lite`, here with `--num-layers` of its 27 layers), saved once to a temporary
-folder with the built-in tokenizer so that `allocmoe serve` can load it; the rows of its output layer
-past the tokenizer's vocabulary are zeroed so generated ids decode (the shape and the work are
-unchanged). The ladder is the full model and uniform plans at 5/6, 2/3, 1/2 and 1/3 of top-6,
+folder with the built-in tokenizer so that `allocmoe serve` can load it. By default its vocabulary is
+the tokenizer's 4,096 words, not 102,400: a budget buys time only in the routed experts, which are 55%
+of a decode step's multiply-adds at the full 27 layers, but 21% of the 3 layers that fit this
+machine's memory when the 102,400-word output layer (0.4 GFLOP per row) is kept; 6 layers with the
+small vocabulary put them back at 51% (every layer keeps the real shape). With `--vocab-size` above
+the tokenizer's, the output rows past it are zeroed so generated ids decode (the work is unchanged). The ladder is the full model and uniform plans at 5/6, 2/3, 1/2 and 1/3 of top-6,
 given as --plan files (a random model has no profile worth making).
 
 First a plain server (no target) runs one client for `--warmup` requests; its own measured decode
@@ -48,15 +51,18 @@ PROMPTS = ["The king said unto them", "Once upon a time there was a", "In the be
 LADDER = {"b56": "5/6", "b23": "2/3", "b12": "1/2", "b13": "1/3"}
 
 
-def build_folder(folder: Path, num_layers: int) -> dict[str, Path]:
+def build_folder(folder: Path, num_layers: int, vocab_size: int) -> dict[str, Path]:
     """The synthetic model and the built-in tokenizer in `folder`; the ladder's plan files beside it."""
     import torch
 
     from allocmoe import allocate, load_model
-    from allocmoe.measure.synthetic import build_synthetic
+    from allocmoe.measure import synthetic
 
     _, tok = load_model()
-    model = build_synthetic("synthetic:deepseek-v2-lite", num_layers)
+    if vocab_size < len(tok):
+        raise SystemExit(f"--vocab-size must hold the built-in tokenizer's {len(tok)} words, got {vocab_size}")
+    synthetic.SHAPES["deepseek-v2-lite"] = dict(synthetic.SHAPES["deepseek-v2-lite"], vocab_size=vocab_size)
+    model = synthetic.build_synthetic("synthetic:deepseek-v2-lite", num_layers)
     with torch.no_grad():
         model.lm_head.weight[len(tok):] = 0          # ids past the tokenizer never win (same work per step)
     plans = {}
@@ -186,7 +192,8 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     s = result["settings"]
-    fig.suptitle(f"allocmoe serve --latency-target-ms, DeepSeek-V2-Lite shape ({s['num_layers']} layers, random), "
+    fig.suptitle(f"allocmoe serve --latency-target-ms, DeepSeek-V2-Lite shape ({s['num_layers']} layers, "
+                 f"{s.get('vocab_size', 102400)} words, random), "
                  f"{s['max_tokens']} tokens/request, {result['machine']['cpus']} CPUs", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
@@ -195,8 +202,10 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--num-layers", type=int, default=3, help="decoder layers of the shape (default 3: 1 dense "
-                        "+ 2 MoE, about 6.6 GB in float32)")
+    parser.add_argument("--num-layers", type=int, default=6, help="decoder layers of the shape (default 6: 1 dense "
+                        "+ 5 MoE, about 12 GB in float32)")
+    parser.add_argument("--vocab-size", type=int, default=4096, help="output words (default 4096, the built-in "
+                        "tokenizer's; DeepSeek-V2-Lite's 102400 makes the output layer most of a shallow model's step)")
     parser.add_argument("--levels", default="1,2,4,8,16,32,16,8,4,2,1", help="concurrent clients, in ramp order")
     parser.add_argument("--level-seconds", type=float, default=6.0, help="seconds each level sends new requests "
                         "(its requests then finish; default 6)")
@@ -214,8 +223,9 @@ def main() -> None:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         folder = Path(tmp)
-        print(f"building the DeepSeek-V2-Lite shape with {args.num_layers} layers in {folder} ...", flush=True)
-        plans = build_folder(folder, args.num_layers)
+        print(f"building the DeepSeek-V2-Lite shape with {args.num_layers} layers, {args.vocab_size} words in {folder} ...",
+              flush=True)
+        plans = build_folder(folder, args.num_layers, args.vocab_size)
         log = open(folder / "server.log", "w+")
         proc, base = start_server(args, folder, plans, None, log)
         try:

@@ -95,3 +95,23 @@ def test_step_times_interpolate_between_sizes():
     times.observe(0, 6, 0.04)
     assert times.predict(0, 4) == pytest.approx(0.03)
     assert times.predict(1, 4) is None
+
+
+def test_an_unmeasured_rung_between_two_measured_ones_is_interpolated_by_activations():
+    """After a peak the bottom rung is measured and full misses T by a little: the rungs between, never
+    run, are estimated linearly in activations between the two, so the controller takes the richest one
+    that meets T rather than staying at the bottom. Hand count: full (36) 1.0 s, 1/3 (12) 0.5 s at one
+    row; 5/6 (30) is 0.5 + 18/24 x 0.5 = 0.875 <= T = 0.9, so 5/6; with T = 0.8, 2/3 (24): 0.75."""
+    ladder = [Rung(0, "full", 36.0), Rung(1, "b56", 30.0), Rung(2, "b23", 24.0), Rung(3, "b12", 18.0),
+              Rung(4, "b13", 12.0)]
+    for target, expected, seconds in ((0.9, 1, 0.875), (0.8, 2, 0.75), (0.55, 4, 0.5)):
+        controller = Controller(ladder, target)
+        controller.learn(0, 1, 1.0, None)
+        controller.learn(4, 1, 0.5, None)
+        rung, predicted = controller.decide(1)
+        assert (rung, predicted) == (expected, pytest.approx(seconds))
+    controller = Controller(ladder, 0.9)
+    controller.learn(0, 1, 1.0, None)
+    controller.learn(2, 1, 0.75, None)           # nothing measured below 2/3: 1/2 and 1/3 stay unknown
+    assert controller.predictions(1)[3:] == [None, None]
+    assert controller.predictions(1)[1] == pytest.approx(0.875)

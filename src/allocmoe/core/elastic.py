@@ -12,10 +12,15 @@ same bound on what a token waits beyond its pass (`Controller.learn`), kept over
 its rung. A cell not yet measured is estimated from the same rung's measured neighbours in size
 (between two: linear; above only: the nearest above, since more rows cost no less; below only: the
 nearest below grown as another rung measured at both sizes grows, else in proportion to the size, an
-upper bound when a step costs a fixed part plus a part per row). A rung never measured has no
-prediction: it is tried only when stepping *down* (a poorer plan costs no more than a richer one that
-is already predicted too slow), never up. Nothing is assumed of the machine: the first steps run
-full, and the ladder is walked from what is measured.
+upper bound when a step costs a fixed part plus a part per row). A rung never measured at any size
+is estimated between the ladder's rungs that are predicted at that size on both sides of it, linearly
+in activations (a step's time grows with the activations it runs; interpolated, never extrapolated).
+Without that, a controller that met T at the bottom rung after a peak stayed there at one client
+while full missed T by a little, never trying the 5/6 between (issue 38's benchmark: 0.66-0.71 of the
+budget at one client after the ramp). A rung with no measured rung poorer than it has no prediction:
+it is tried only when stepping *down* (a poorer plan costs no more than a richer one that is already
+predicted too slow), never up. Nothing is assumed of the machine: the first steps run full, and the
+ladder is walked from what is measured.
 """
 
 from __future__ import annotations
@@ -121,8 +126,7 @@ class Controller:
     def decide(self, rows: int) -> tuple[int, float | None]:
         """(rung, its predicted seconds) for a step of size `rows`."""
         extra = self.overhead[0] + self.times.spread * self.overhead[1]
-        predicted = [self.times.predict(i, rows) for i in range(len(self.rungs))]
-        predicted = [None if p is None else p + extra for p in predicted]
+        predicted = [None if p is None else p + extra for p in self.predictions(rows)]
         for i, p in enumerate(predicted):
             if p is not None and p <= self.target:
                 return i, p
@@ -132,6 +136,22 @@ class Controller:
         # every prediction misses T: step down to the richest rung poorer than all of them
         rung = min(known[-1] + 1, len(self.rungs) - 1)
         return rung, predicted[rung]
+
+    def predictions(self, rows: int) -> list[float | None]:
+        """Each rung's predicted pass seconds at size `rows` (StepTimes.predict); a rung never measured,
+        between two predicted ones, interpolated linearly in activations (module docstring)."""
+        own = [self.times.predict(i, rows) for i in range(len(self.rungs))]
+        known = [i for i, p in enumerate(own) if p is not None]
+        filled = list(own)
+        for i in (i for i, p in enumerate(own) if p is None):
+            richer = max((j for j in known if j < i), default=None)
+            poorer = min((j for j in known if j > i), default=None)
+            if richer is None or poorer is None:
+                continue
+            top, bottom = self.rungs[richer].activations, self.rungs[poorer].activations
+            w = (self.rungs[i].activations - bottom) / (top - bottom) if top > bottom else 1.0
+            filled[i] = own[poorer] + w * (own[richer] - own[poorer])
+        return filled
 
     def learn(self, rung: int, rows: int, seconds: float, interval: float | None) -> float:
         """One measured step: `seconds` its pass alone, `interval` from the previous step's end to its
