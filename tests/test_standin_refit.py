@@ -68,7 +68,8 @@ def test_only_the_layers_with_stand_ins_are_refitted_at_the_plans_rank_or_the_on
 
 @torch.no_grad()
 def test_the_fit_is_chosen_on_the_held_out_half_and_then_made_on_all_windows():
-    """By hand: both fits on the first half, perplexity of each on the second, the winner refitted on all."""
+    """By hand: both fits on the even windows, perplexity of each on the odd ones (crossfit's split), the
+    winner refitted on all."""
     from allocmoe.calibrate.means import choose_standin_fit
     from allocmoe.scoring.perplexity import evaluate_perplexity
 
@@ -78,7 +79,7 @@ def test_the_fit_is_chosen_on_the_held_out_half_and_then_made_on_all_windows():
     plan = Plan(model=fp, layers={i: AllocT(k=1.5, k_base=0) for i in fp["moe_layers"]}, method="test", budget=4.5)
     plan.means = measure_expert_means(model, windows, rank=2)
     means, record = choose_standin_fit(model, windows, plan)
-    first, second = windows[:4], windows[4:]
+    first, second = windows[0::2], windows[1::2]
     fits = {"plain": measure_expert_means(model, first, rank=2)}
     fits["sequential"] = refit_expert_means(model, first, Plan(**{**plan.__dict__, "means": fits["plain"]}))
     held_out = {}
@@ -92,6 +93,8 @@ def test_the_fit_is_chosen_on_the_held_out_half_and_then_made_on_all_windows():
         torch.testing.assert_close(means.means[index], want.means[index])
         torch.testing.assert_close(means.linear[index].down @ means.linear[index].up,
                                    want.linear[index].down @ want.linear[index].up)
+    with pytest.raises(AllocMoeError, match="at least 2 windows"):
+        choose_standin_fit(model, windows[:1], plan)
     plan.means = None
     with pytest.raises(AllocMoeError, match="needs a plan with stand-ins"):
         choose_standin_fit(model, windows, plan)

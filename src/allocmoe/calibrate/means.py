@@ -179,8 +179,9 @@ def refit_expert_means(model, windows: torch.Tensor, plan: Plan, batch_size: int
 def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int = 4,
                        progress: bool = False) -> tuple[ExpertMeans, dict]:
     """The plan's stand-ins fitted the way that generalises better on this calibration text: both fits
-    (the plain one and `refit_expert_means`) are made on the first half of `windows` and scored on the
-    second; the winner is then fitted on all of them. Returns (the means, a record of the choice:
+    (the plain one and `refit_expert_means`) are made on the fit windows of `windows` and scored on the
+    choose windows (calibrate/crossfit.py's split, alternate windows, as every other choice among
+    stand-ins); the winner is then fitted on all of them. Returns (the means, a record of the choice:
     {"chose": "plain" | "sequential", "held_out": {fit: perplexity}}). The refit won on test text
     where plans cut deep and lost at 5/6 (docs/quality.md), so it is taken only where it wins here
     (on the built-in model the held-out half still chose it at 5/6: a guard, not a cure).
@@ -188,10 +189,12 @@ def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int
     from ..routing.apply import apply_plan
     from ..scoring.perplexity import evaluate_perplexity
 
-    if plan.means is None or len(windows) < 2:
-        raise AllocMoeError("choosing the stand-ins' fit needs a plan with stand-ins and at least two calibration "
-                            "windows (one half fits, the other scores)")
-    first, second = windows[: len(windows) // 2], windows[len(windows) // 2:]
+    from .crossfit import split_windows
+
+    if plan.means is None:
+        raise AllocMoeError("choosing the stand-ins' fit needs a plan with stand-ins; allocate one with the "
+                            "substitute on (the default for auto, --substitute otherwise)")
+    first, second = split_windows(windows)
     rank, layers = plan.means.rank, sorted(plan.means.means)
     fits = {"plain": measure_expert_means(model, first, batch_size, rank=rank, layers=layers)}
     fits["sequential"] = refit_expert_means(model, first, replace(plan, means=fits["plain"]), batch_size, progress)
