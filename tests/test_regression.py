@@ -65,3 +65,25 @@ def test_the_map_alone_matches_the_moments_fit():
     moments.add(x, y)
     _, _, down2, up2 = moments.fit(3, 1e-2)
     torch.testing.assert_close(down @ up, down2 @ up2)
+
+
+def test_grouped_sums_fit_each_group_as_its_own_regression():
+    """One Moments over three groups (rows interleaved, added in pieces) fits each group as a Moments of
+    that group's rows alone; an empty group has means 0; without second moments only the means."""
+    x, y = data(seed=4)
+    groups = torch.arange(x.size(0)) % 3
+    groups[groups == 2] = 0                                           # group 2 stays empty
+    grouped, means_only = Moments(x.size(1), y.size(1), groups=3), Moments(x.size(1), y.size(1), 3, second=False)
+    for part in torch.arange(x.size(0)).split(50):
+        grouped.add(x[part], y[part], groups[part])
+        means_only.add(None, y[part], groups[part])
+    for g in (0, 1):
+        alone = Moments(x.size(1), y.size(1))
+        alone.add(x[groups == g], y[groups == g])
+        (gx, gy, gd, gu), (ax, ay, ad, au) = grouped.fit(3, 1e-2, group=g), alone.fit(3, 1e-2)
+        torch.testing.assert_close(gx, ax)
+        torch.testing.assert_close(gy, ay)
+        torch.testing.assert_close(gd @ gu, ad @ au)                  # each direction's sign is free
+        torch.testing.assert_close(means_only.means()[1][g], y[groups == g].mean(0))
+    assert grouped.n.tolist() == [float((groups == 0).sum()), float((groups == 1).sum()), 0.0]
+    assert not grouped.means()[1][2].any() and means_only.sxx is None

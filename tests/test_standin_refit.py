@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, apply_plan, model_fingerprint
-from allocmoe.calibrate.means import _Moments, measure_expert_means, refit_expert_means
+from allocmoe.calibrate.means import _linear, measure_expert_means, refit_expert_means
+from allocmoe.core.regression import Moments
 from allocmoe.core.means import ExpertMeans
 from conftest import COMMON, build_tiny, expert_inputs, olmoe_expert_output
 
@@ -22,12 +23,12 @@ def by_hand(model, windows, plan, rank):
                                        linear={i: t for i, (_, t) in fitted.items()}) if fitted else None)
         x, idx = expert_inputs(model, windows, index, below)
         experts = model.model.layers[index].mlp.experts
-        moments = _Moments(fp["num_experts"], COMMON["hidden_size"], True)     # the plain fit's sums
+        moments = Moments(COMMON["hidden_size"], COMMON["hidden_size"], fp["num_experts"])   # the plain fit's sums
         for e in range(fp["num_experts"]):
             rows = (idx == e).any(-1)
             y = olmoe_expert_output(experts, x[rows], e)
-            moments.add(torch.full((int(rows.sum()),), e), x[rows].double(), y.double())
-        fitted[index] = (moments.means(), moments.linear(rank))
+            moments.add(x[rows].double(), y.double(), torch.full((int(rows.sum()),), e))
+        fitted[index] = (moments.means()[1].float(), _linear(moments, rank))
     return fitted
 
 

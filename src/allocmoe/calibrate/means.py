@@ -28,7 +28,7 @@ from tqdm import tqdm
 from ..core.means import ExpertMeans, LinearTerm
 from ..core.plan import Plan
 from ..core.policies import StaticTopK
-from ..core.regression import reduced_rank_ridge
+from ..core.regression import Moments
 from ..errors import AllocMoeError
 from ..routing.adapters import adapter_for_model
 from ..routing.experts import compact_experts_forward
@@ -37,45 +37,16 @@ RIDGE = 1e-2            # ridge strength, relative to the mean input variance: k
 STATS_BYTES = 4 << 30   # second moments kept per pass (float64); more layers than fit take more passes
 
 
-class _Moments:
-    """Running sums for one layer: counts [E] and sums of y [E, H]; with a rank also sums of x [E, H] and
-    of x x^T, x y^T [E, H, H]."""
-
-    def __init__(self, num_experts: int, hidden: int, second: bool):
-        self.n = torch.zeros(num_experts, dtype=torch.float64)
-        self.sx = torch.zeros(num_experts, hidden, dtype=torch.float64)
-        self.sy = torch.zeros(num_experts, hidden, dtype=torch.float64)
-        self.sxx = torch.zeros(num_experts, hidden, hidden, dtype=torch.float64) if second else None
-        self.sxy = torch.zeros(num_experts, hidden, hidden, dtype=torch.float64) if second else None
-
-    def add(self, experts: torch.Tensor, x: torch.Tensor | None, y: torch.Tensor) -> None:
-        """experts [P], x, y [P, H]: one (token, expert) pair per row (x only with a rank: the means need y)."""
-        self.n += torch.bincount(experts, minlength=self.n.numel()).double()
-        self.sy.index_add_(0, experts, y)
-        if self.sxx is not None:
-            self.sx.index_add_(0, experts, x)
-            for e in experts.unique().tolist():
-                rows = experts == e
-                self.sxx[e] += x[rows].T @ x[rows]
-                self.sxy[e] += x[rows].T @ y[rows]
-
-    def means(self) -> torch.Tensor:
-        return (self.sy / self.n.clamp_min(1)[:, None]).float()                                # [E, H]
-
-    def linear(self, rank: int, ridge: float = RIDGE) -> LinearTerm:
-        num_experts, hidden = self.sx.shape
-        down = torch.zeros(num_experts, hidden, rank, dtype=torch.float64)
-        up = torch.zeros(num_experts, rank, hidden, dtype=torch.float64)
-        x_mean = self.sx / self.n.clamp_min(1)[:, None]                                         # [E, H]
-        y_mean = self.sy / self.n.clamp_min(1)[:, None]
-        for e in range(num_experts):
-            n = float(self.n[e])
-            if n < hidden:
-                continue
-            cov_xx = self.sxx[e] / n - torch.outer(x_mean[e], x_mean[e])                        # [H, H]
-            cov_xy = self.sxy[e] / n - torch.outer(x_mean[e], y_mean[e])
-            down[e], up[e] = reduced_rank_ridge(cov_xx, cov_xy, rank, ridge)
-        return LinearTerm(input_mean=x_mean.float(), down=down.float(), up=up.float())
+def _linear(moments: Moments, rank: int, ridge: float = RIDGE) -> LinearTerm:
+    """Each expert's rank-r term from its group of `moments` (one group per expert); an expert seen on
+    fewer than H tokens keeps zeros (its mean alone)."""
+    num_experts, hidden = moments.sx.shape
+    down = torch.zeros(num_experts, hidden, rank, dtype=torch.float64)
+    up = torch.zeros(num_experts, rank, hidden, dtype=torch.float64)
+    for e in range(num_experts):
+        if float(moments.n[e]) >= hidden:
+            _, _, down[e], up[e] = moments.fit(rank, ridge, group=e)
+    return LinearTerm(input_mean=moments.means()[0].float(), down=down.float(), up=up.float())
 
 
 def check_fit_memory(num_experts: int, hidden: int, rank: int) -> int:
@@ -109,7 +80,7 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
     per_layer = check_fit_memory(num_experts, hidden, rank)
     per_pass = max(1, STATS_BYTES // per_layer) if per_layer else len(layers)
     groups = [layers[i:i + per_pass] for i in range(0, len(layers), per_pass)]
-    moments: dict[int, _Moments] = {}
+    moments: dict[int, Moments] = {}
 
     def record(index: int):
         def hook(experts, args, kwargs):
@@ -120,7 +91,7 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
             x = states.repeat_interleave(k, dim=0)                                  # [T*K, H]
             outputs = compact_experts_forward(experts, x, pairs,
                                               torch.ones(pairs.shape, dtype=states.dtype, device=states.device))
-            moments[index].add(pairs[:, 0].cpu(), x.double().cpu() if rank else None, outputs.double().cpu())
+            moments[index].add(x.double().cpu() if rank else None, outputs.double().cpu(), pairs[:, 0].cpu())
         return hook
 
     device = next(model.parameters()).device
@@ -128,7 +99,7 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
                desc="expert means" + (f" + rank {rank}" if rank else ""))
     means, linear = {}, {}
     for group in groups:
-        moments.update({layer.index: _Moments(num_experts, hidden, rank > 0) for layer in group})
+        moments.update({layer.index: Moments(hidden, hidden, num_experts, second=rank > 0) for layer in group})
         hooks = [layer.experts.register_forward_pre_hook(record(layer.index), with_kwargs=True) for layer in group]
         try:
             for batch in windows.split(batch_size):
@@ -138,9 +109,9 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
             for hook in hooks:
                 hook.remove()
         for layer in group:
-            means[layer.index] = moments[layer.index].means()
+            means[layer.index] = moments[layer.index].means()[1].float()                  # [E, H]
             if rank:
-                linear[layer.index] = moments[layer.index].linear(rank, ridge)
+                linear[layer.index] = _linear(moments[layer.index], rank, ridge)
             del moments[layer.index]
     bar.close()
     return ExpertMeans(means=means, tokens=int(windows.numel()), linear=linear or None)

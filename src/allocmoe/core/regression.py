@@ -30,32 +30,52 @@ def reduced_rank_ridge(cov_xx: torch.Tensor, cov_xy: torch.Tensor, rank: int,
 
 
 class Moments:
-    """Running sums for one regression of y on x: n, sums of x and y, of x x^T and x y^T (float64)."""
+    """Running sums for regressions of y on x, one per group (each expert of a layer; a single
+    regression is one group): counts n [G], sums of x [G, H_in] and y [G, H_out], and, with `second`,
+    of x x^T [G, H_in, H_in] and x y^T [G, H_in, H_out] (float64). Without `second` only the means
+    of y can be fitted (what the stand-ins need at rank 0)."""
 
-    def __init__(self, in_features: int, out_features: int):
-        self.n = 0.0
-        self.sx = torch.zeros(in_features, dtype=torch.float64)
-        self.sy = torch.zeros(out_features, dtype=torch.float64)
-        self.sxx = torch.zeros(in_features, in_features, dtype=torch.float64)
-        self.sxy = torch.zeros(in_features, out_features, dtype=torch.float64)
+    def __init__(self, in_features: int, out_features: int, groups: int = 1, second: bool = True):
+        self.n = torch.zeros(groups, dtype=torch.float64)
+        self.sx = torch.zeros(groups, in_features, dtype=torch.float64)
+        self.sy = torch.zeros(groups, out_features, dtype=torch.float64)
+        self.sxx = torch.zeros(groups, in_features, in_features, dtype=torch.float64) if second else None
+        self.sxy = torch.zeros(groups, in_features, out_features, dtype=torch.float64) if second else None
 
-    def add(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """x [T, H_in], y [T, H_out]: one sample per row."""
-        x, y = x.double(), y.double()
-        self.n += x.size(0)
-        self.sx += x.sum(0)
-        self.sy += y.sum(0)
-        self.sxx += x.T @ x
-        self.sxy += x.T @ y
+    def add(self, x: torch.Tensor | None, y: torch.Tensor, groups: torch.Tensor | None = None) -> None:
+        """x [T, H_in] (None without second moments), y [T, H_out]: one sample per row; groups [T] each
+        row's group (None: all in group 0)."""
+        y = y.double()
+        if groups is None:
+            groups = torch.zeros(y.size(0), dtype=torch.long)
+        self.n += torch.bincount(groups, minlength=self.n.numel()).double()
+        self.sy.index_add_(0, groups, y)
+        if self.sxx is None:
+            return
+        x = x.double()
+        self.sx.index_add_(0, groups, x)
+        parts = [(0, x, y)] if self.n.numel() == 1 else \
+            ((g, x[groups == g], y[groups == g]) for g in groups.unique().tolist())
+        for g, xg, yg in parts:
+            self.sxx[g] += xg.T @ xg
+            self.sxy[g] += xg.T @ yg
 
-    def fit(self, rank: int, ridge: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """(x_mean [H_in], y_mean [H_out], down [H_in, r], up [r, H_out]): y ~ y_mean + ((x - x_mean) @ down) @ up."""
-        n = max(self.n, 1.0)
-        x_mean, y_mean = self.sx / n, self.sy / n
+    def means(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(x_mean [G, H_in], y_mean [G, H_out]); a group with no samples has means 0."""
+        n = self.n.clamp_min(1)[:, None]
+        return self.sx / n, self.sy / n
+
+    def fit(self, rank: int, ridge: float, group: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                     torch.Tensor]:
+        """(x_mean [H_in], y_mean [H_out], down [H_in, r], up [r, H_out]) of `group`:
+        y ~ y_mean + ((x - x_mean) @ down) @ up."""
+        x_means, y_means = self.means()
+        x_mean, y_mean = x_means[group], y_means[group]
         if rank == 0:
             return x_mean, y_mean, torch.zeros(x_mean.numel(), 0, dtype=torch.float64), \
                 torch.zeros(0, y_mean.numel(), dtype=torch.float64)
-        cov_xx = self.sxx / n - torch.outer(x_mean, x_mean)
-        cov_xy = self.sxy / n - torch.outer(x_mean, y_mean)
+        n = max(float(self.n[group]), 1.0)
+        cov_xx = self.sxx[group] / n - torch.outer(x_mean, x_mean)
+        cov_xy = self.sxy[group] / n - torch.outer(x_mean, y_mean)
         down, up = reduced_rank_ridge(cov_xx, cov_xy, rank, ridge)
         return x_mean, y_mean, down, up
