@@ -3,6 +3,7 @@ the full model, on loopback, in one run that stops by itself.
 
     python benchmarks/elastic_load.py                                  # defaults below, about 20 minutes
     python benchmarks/elastic_load.py --num-layers 3 --vocab-size 102400   # the first run's model (docs/serve.md)
+    python benchmarks/elastic_load.py --shape olmoe-1b-7b           # no shared experts: 1/3 cuts more of a step
 
 The model is the DeepSeek-V2-Lite shape with random weights that `allocmoe bench` builds
 (`synthetic:deepseek-v2-lite`, here with `--num-layers` of its 27 layers), saved once to a temporary
@@ -11,8 +12,11 @@ the tokenizer's 4,096 words, not 102,400: a budget buys time only in the routed 
 of a decode step's multiply-adds at the full 27 layers, but 21% of the 3 layers that fit this
 machine's memory when the 102,400-word output layer (0.4 GFLOP per row) is kept; 6 layers with the
 small vocabulary put them back at 51% (every layer keeps the real shape). With `--vocab-size` above
-the tokenizer's, the output rows past it are zeroed so generated ids decode (the work is unchanged). The ladder is the full model and uniform plans at 5/6, 2/3, 1/2 and 1/3 of top-6,
-given as --plan files (a random model has no profile worth making).
+the tokenizer's, the output rows past it are zeroed so generated ids decode (the work is unchanged).
+`--shape olmoe-1b-7b` takes OLMoE-1B-7B's layers instead (64 experts of 1024, top-8, no shared
+experts: the routed experts are 75% of a layer's multiply-adds, where DeepSeek-V2-Lite's 2 shared
+experts always run). The ladder is the full model and uniform plans at 5/6, 2/3, 1/2 and 1/3 of
+top-K, given as --plan files (a random model has no profile worth making).
 
 First a plain server (no target) runs one client for `--warmup` requests; its own measured decode
 step time (allocmoe_time_per_output_token_seconds on /metrics) sets T = `--target-factor` x that.
@@ -51,7 +55,7 @@ PROMPTS = ["The king said unto them", "Once upon a time there was a", "In the be
 LADDER = {"b56": "5/6", "b23": "2/3", "b12": "1/2", "b13": "1/3"}
 
 
-def build_folder(folder: Path, num_layers: int, vocab_size: int) -> dict[str, Path]:
+def build_folder(folder: Path, shape: str, num_layers: int, vocab_size: int) -> dict[str, Path]:
     """The synthetic model and the built-in tokenizer in `folder`; the ladder's plan files beside it."""
     import torch
 
@@ -61,8 +65,8 @@ def build_folder(folder: Path, num_layers: int, vocab_size: int) -> dict[str, Pa
     _, tok = load_model()
     if vocab_size < len(tok):
         raise SystemExit(f"--vocab-size must hold the built-in tokenizer's {len(tok)} words, got {vocab_size}")
-    synthetic.SHAPES["deepseek-v2-lite"] = dict(synthetic.SHAPES["deepseek-v2-lite"], vocab_size=vocab_size)
-    model = synthetic.build_synthetic("synthetic:deepseek-v2-lite", num_layers)
+    synthetic.SHAPES[shape] = dict(synthetic.SHAPES[shape], vocab_size=vocab_size)
+    model = synthetic.build_synthetic(synthetic.PREFIX + shape, num_layers)
     with torch.no_grad():
         model.lm_head.weight[len(tok):] = 0          # ids past the tokenizer never win (same work per step)
     plans = {}
@@ -192,7 +196,7 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     s = result["settings"]
-    fig.suptitle(f"allocmoe serve --latency-target-ms, DeepSeek-V2-Lite shape ({s['num_layers']} layers, "
+    fig.suptitle(f"allocmoe serve --latency-target-ms, {s.get('shape', 'deepseek-v2-lite')} shape ({s['num_layers']} layers, "
                  f"{s.get('vocab_size', 102400)} words, random), "
                  f"{s['max_tokens']} tokens/request, {result['machine']['cpus']} CPUs", fontsize=10)
     fig.tight_layout()
@@ -202,14 +206,19 @@ def plot(result: dict, path: Path) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", default="deepseek-v2-lite", choices=("deepseek-v2-lite", "olmoe-1b-7b",
+                        "qwen1.5-moe-a2.7b"), help="the synthetic shape `allocmoe bench` builds (default "
+                        "deepseek-v2-lite; olmoe-1b-7b has no shared experts, so a budget cuts more of a step)")
     parser.add_argument("--num-layers", type=int, default=6, help="decoder layers of the shape (default 6: 1 dense "
                         "+ 5 MoE, about 12 GB in float32)")
     parser.add_argument("--vocab-size", type=int, default=4096, help="output words (default 4096, the built-in "
                         "tokenizer's; DeepSeek-V2-Lite's 102400 makes the output layer most of a shallow model's step)")
-    parser.add_argument("--levels", default="1,2,4,8,16,32,16,8,4,2,1", help="concurrent clients, in ramp order")
-    parser.add_argument("--level-seconds", type=float, default=6.0, help="seconds each level sends new requests "
-                        "(its requests then finish; default 6)")
-    parser.add_argument("--max-tokens", type=int, default=16, help="new tokens per request (default 16)")
+    parser.add_argument("--levels", default="1,2,3,4,8,16,32,16,8,4,3,2,1", help="concurrent clients, in ramp "
+                        "order (3 is there because on 2 CPU cores even the smallest plan stops meeting T near it)")
+    parser.add_argument("--level-seconds", type=float, default=20.0, help="seconds each level sends new requests "
+                        "(its requests then finish; default 20: a few requests per client at low load, for the p95)")
+    parser.add_argument("--max-tokens", type=int, default=24, help="new tokens per request (default 24: a prefill "
+                        "between decode steps, which counts against T, is spread over more tokens)")
     parser.add_argument("--max-batch-size", type=int, default=32, help="server --max-batch-size (default 32)")
     parser.add_argument("--target-factor", type=float, default=1.3, help="T over the one-client step time (default 1.3)")
     parser.add_argument("--warmup", type=int, default=4, help="one-client requests that measure the step time")
@@ -223,9 +232,9 @@ def main() -> None:
     began = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=os.environ.get("TMPDIR")) as tmp:
         folder = Path(tmp)
-        print(f"building the DeepSeek-V2-Lite shape with {args.num_layers} layers, {args.vocab_size} words in {folder} ...",
+        print(f"building the {args.shape} shape with {args.num_layers} layers, {args.vocab_size} words in {folder} ...",
               flush=True)
-        plans = build_folder(folder, args.num_layers, args.vocab_size)
+        plans = build_folder(folder, args.shape, args.num_layers, args.vocab_size)
         log = open(folder / "server.log", "w+")
         proc, base = start_server(args, folder, plans, None, log)
         try:
