@@ -84,7 +84,7 @@ def start_server(args, folder: Path, plans: dict[str, Path], target_ms: float | 
     cmd = [sys.executable, "-m", "allocmoe.cli", "serve", "--model", str(folder / "model"), "--port", str(port),
            "--max-batch-size", str(args.max_batch_size), "--max-queue", "1024", "--log-level", "warning"]
     if target_ms is not None:
-        cmd += ["--latency-target-ms", f"{target_ms:.3f}"]
+        cmd += ["--latency-target-ms", f"{target_ms:.3f}", "--record-plans"]
         for name, path in plans.items():
             cmd += ["--plan", f"{name}={path}"]
     return launch(cmd, port, log, seconds=600)
@@ -115,7 +115,8 @@ def one_request(http: httpx.Client, base: str, prompt: str, max_tokens: int, ela
         return {"ok": False, "error": f"{tokens} of {max_tokens} tokens"}
     spent = usage["allocmoe"]
     return {"ok": True, "tokens": tokens, "started": start, "tpot": (last - first) / max(1, tokens - 1),
-            "budget": spent["decode_activations_per_token"] / spent["full_activations_per_token"]}
+            "budget": spent["decode_activations_per_token"] / spent["full_activations_per_token"],
+            "plans": spent.get("plans") or []}
 
 
 def run_level(base: str, clients: int, seconds: float, max_tokens: int, elastic: bool) -> dict:
@@ -148,7 +149,18 @@ def run_level(base: str, clients: int, seconds: float, max_tokens: int, elastic:
             "errors": [r["error"] for r in results if not r["ok"]][:3], "wall_s": wall,
             "tokens_per_s": sum(r["tokens"] for r in done) / wall, "tpot_p50_s": pct(tpot, 50),
             "tpot_p95_s": pct(tpot, 95),
-            "mean_budget": statistics.fmean(r["budget"] for r in done) if done else float("nan")}
+            "mean_budget": statistics.fmean(r["budget"] for r in done) if done else float("nan"),
+            "passes_per_plan": passes_per_plan(done)}
+
+
+def passes_per_plan(done: list[dict]) -> dict[str, int]:
+    """Forward passes per plan over the level's requests (--record-plans: each request's plan per pass,
+    run-length, its prefill first), so a mean budget can be read as the rungs that made it."""
+    counts: dict[str, int] = {}
+    for result in done:
+        for name, passes in result["plans"]:
+            counts[name] = counts.get(name, 0) + int(passes)
+    return counts
 
 
 def pct(values: list[float], q: float) -> float:
@@ -279,6 +291,7 @@ def ramp(base: str, levels: list[int], args) -> dict[str, list[dict]]:
             print(f"{name:>8} x{clients:<3} {cell['requests'] - cell['failed']}/{cell['requests']} in full, "
                   f"TPOT p50 {cell['tpot_p50_s'] * 1000:6.1f} ms p95 {cell['tpot_p95_s'] * 1000:6.1f} ms, "
                   f"{cell['tokens_per_s']:6.1f} tok/s, budget {cell['mean_budget']:.2f}"
+                  f"{'  passes ' + str(cell['passes_per_plan']) if name == 'elastic' else ''}"
                   f"{'  errors: ' + '; '.join(cell['errors']) if cell['failed'] else ''}", flush=True)
     return cells
 

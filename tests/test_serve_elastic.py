@@ -167,6 +167,20 @@ def test_a_floor_needs_an_elastic_request(busy):
         assert r.status_code == 400 and message in r.json()["error"]["message"], r.text
 
 
+def test_after_the_load_a_lone_client_runs_full_at_every_pass_its_prefill_too(busy):
+    """Under COST one row at full takes 14 ms, well within T: once the load has gone, a lone request runs
+    the full model at every pass. Its prefill, into an idle server, is decided for the batch it starts,
+    not left at the last rung of the load (which ran it at half the budget before)."""
+    app, base, _, _ = busy
+    elastic = app.state.server.elastic
+    before = len(elastic.steps)
+    for prompt in PROMPTS[:3]:
+        r = httpx.post(f"{base}/v1/completions", json={"prompt": prompt, "max_tokens": 8, "temperature": 0,
+                                                       "ignore_eos": True}, timeout=HANG)
+        assert r.json()["usage"]["allocmoe"]["plans"] == [["full", 8]], r.json()["usage"]
+    assert {(s.rows, s.rung) for s in list(elastic.steps)[before:]} == {(1, 0)}
+
+
 def test_the_prediction_interpolates_measured_neighbours_and_never_guesses_up():
     times = StepTimes()
     assert times.predict(0, 4) is None

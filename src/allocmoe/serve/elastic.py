@@ -14,7 +14,8 @@ T is a time per output token: a decode step's measured time runs from the previo
 end to its own, so a prefill pass between them (requests joining the batch) counts against T. That
 wait is learnt apart from the pass (it does not depend on the rung), so a burst of arrivals lifts
 every rung's prediction for a few steps and then decays, rather than leaving one rung's cell high. Prefill passes run elastic requests at the rung
-in force (the last decode decision). `replay` reruns one request alone with a recorded
+in force (the last decode decision), or, into an idle server, at the rung decided for the batch they
+start (a lone request after a peak gets full, not the peak's last rung). `replay` reruns one request alone with a recorded
 plan sequence (`--record-plans`), which is how the tests check that elastic output is honest.
 
 Not here: the plans themselves (plans.py makes and holds them), the HTTP fields (app.py).
@@ -62,12 +63,15 @@ class Elastic(Controller):
         self.in_force = 0                   # the rung of the last decode decision; prefill uses it
         self._pending: tuple[int, int, float | None] | None = None
 
-    def choose_plans(self, rows: list[Request], kind: str) -> None:
+    def choose_plans(self, rows: list[Request], kind: str, batch: int) -> None:
+        """Before a pass of `rows` (`kind` "prefill" or "decode"), `batch` the rows the batch has after it."""
         elastic = [r for r in rows if r.elastic is not None]
         if kind == "decode":
             rung, predicted = self.decide(len(rows))
             self.in_force = rung
             self._pending = (len(rows), rung, predicted) if elastic else self._fixed(rows)
+        elif batch == len(rows):        # a prefill into an idle server: the rung for the batch it starts,
+            self.in_force = self.decide(batch)[0]    # not the last decision of a load that has gone
         for request in elastic:
             request.plan_index = self.rungs[min(self.in_force, request.elastic)].index
 
@@ -116,7 +120,7 @@ def replay(model, tokenizer, prompt_ids: list[int], plans: dict[str, Plan], step
     names = list(plans)
     order = [names.index(name) for name, count in steps for _ in range(int(count))]
 
-    def choose(rows: list[Request], kind: str) -> None:
+    def choose(rows: list[Request], kind: str, batch: int) -> None:
         request = rows[0]
         done = sum(n for _, n in request.plan_steps)
         if done >= len(order):

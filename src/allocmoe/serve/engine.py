@@ -105,13 +105,14 @@ class Engine:
     def __init__(self, model, tokenizer, handle: PlanHandle | None = None, max_batch_size: int = 8,
                  max_queue: int = 64, on_pass: Callable[[StepStats], None] | None = None,
                  max_model_len: int | None = None,
-                 choose_plans: Callable[[list[Request], str], None] | None = None,
+                 choose_plans: Callable[[list[Request], str, int], None] | None = None,
                  clock: Callable[[], float] = time.perf_counter, record_plans: bool = False):
         if max_batch_size < 1 or max_queue < 0:
             raise AllocMoeError("max batch size must be >= 1 and max queue >= 0")
         self.model, self.tokenizer, self.handle = model, tokenizer, handle
         self.max_batch_size, self.max_queue, self.on_pass = max_batch_size, max_queue, on_pass
-        self.choose_plans = choose_plans    # called before each pass with (rows, "prefill" | "decode"): may set plan_index
+        # called before each pass with (its rows, "prefill" | "decode", the rows of the batch after it): may set plan_index
+        self.choose_plans = choose_plans
         self.clock = clock                  # times each pass (StepStats.seconds); tests hand a deterministic one
         self.record_plans = record_plans    # keep each request's plan per pass (Request.plan_steps)
         model_len = int(getattr(model.config, "max_position_embeddings", 0) or 1 << 30)
@@ -254,7 +255,7 @@ class Engine:
     def _forward(self, ids, mask, positions, rows: list[Request], kind: str, cache=None):
         """One pass; returns (last-position logits [B, V], the cache, activations per row [B])."""
         if self.choose_plans is not None:
-            self.choose_plans(rows, kind)
+            self.choose_plans(rows, kind, len(self._rows) + (len(rows) if kind == "prefill" else 0))
         if self.handle is not None:
             self.handle.context.row_plans = [r.plan_index for r in rows]
         for request in rows:
