@@ -15,9 +15,8 @@ nearest below grown as another rung measured at both sizes grows, else in propor
 upper bound when a step costs a fixed part plus a part per row). A rung never measured at any size
 is estimated between the ladder's rungs that are predicted at that size on both sides of it, linearly
 in activations (a step's time grows with the activations it runs; interpolated, never extrapolated).
-Without that, a controller that met T at the bottom rung after a peak stayed there at one client
-while full missed T by a little, never trying the 5/6 between (issue 38's benchmark: 0.66-0.71 of the
-budget at one client after the ramp). A rung with no measured rung poorer than it has no prediction:
+Without that, a controller that met T at the bottom rung after a peak stayed there while full
+missed T by a little, never trying the 5/6 between. A rung with no measured rung poorer than it has no prediction:
 it is tried only when stepping *down* (a poorer plan costs no more than a richer one that is already
 predicted too slow), never up. Nothing is assumed of the machine: the first steps run full, and the
 ladder is walked from what is measured.
