@@ -29,7 +29,6 @@ calibration text: their real cost drifts with the input, so always report measur
 
 from __future__ import annotations
 
-import hashlib
 import math
 from contextlib import contextmanager
 from contextvars import ContextVar
@@ -42,7 +41,7 @@ from ..routing.apply import apply_plan, static_plan
 from ..core.budget import Budget, expert_budget, layer_cost, plan_costs, standin_equivalent
 from ..core.config import Config, check_counts, checked_config, replaced
 from ..errors import AllocMoeError
-from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows
+from ..scoring.perplexity import check_batch_size, window_len, evaluate_perplexity, tokenize_windows, windows_digest
 from ..core.plan import Plan, check_fingerprint
 from ..routing.layout import expert_weights, model_fingerprint, standin_costs
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
@@ -477,8 +476,7 @@ def _measure_means(model, windows, config: AllocateConfig):
     from .means import measure_expert_means
 
     memo = _MEANS_MEMO.get()
-    key = (id(model), hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), tuple(windows.shape),
-           config.windows_per_pass, config.substitute_rank)
+    key = (id(model), windows_digest(windows), config.windows_per_pass, config.substitute_rank)
     if memo is not None and key in memo:
         return memo[key]
     means = measure_expert_means(model, windows, config.windows_per_pass, progress=config.progress,

@@ -29,7 +29,7 @@ import torch
 from ..core.means import ExpertMeans
 from ..routing.apply import static_plan
 from ..routing.layout import model_fingerprint
-from ..scoring.perplexity import evaluate_perplexity
+from ..scoring.perplexity import evaluate_perplexity, windows_digest
 from .cells import CellBar, CellRun
 from .prefix import profile_start_layer, start_position
 from .profile import profile_cells
@@ -42,8 +42,7 @@ def pair_profile(model, windows: torch.Tensor, means: ExpertMeans, windows_per_p
     """{"plain": S[i][k-1], "standin": S'[i][k-1]} on `windows`, for MoE layer i (in MoE-layer order) and
     k in 1..K_orig: calibration perplexity of cell (i, k) without and with stand-ins on layer i alone;
     "cells" and "layer_passes" say what it ran. Memoised on the model (module docstring)."""
-    key = (hashlib.sha256(windows.cpu().numpy().tobytes()).hexdigest(), _digest(means),
-           windows_per_pass)
+    key = (windows_digest(windows), _digest(means), windows_per_pass)
     memo = model.__dict__.setdefault(MEMO_ATTR, {})
     if key not in memo:
         memo[key] = _measure(model, windows, means, windows_per_pass, progress)

@@ -14,6 +14,7 @@ step, as other requests would) but not scored: every window is scored once, ever
 
 from __future__ import annotations
 
+import hashlib
 import math
 from dataclasses import asdict, dataclass
 
@@ -86,6 +87,14 @@ def tokenize_windows(tokenizer, text: str, seq_len: int, max_tokens: int | None 
     if ids.numel() < seq_len:
         return ids[None, :]
     return ids[: ids.numel() // seq_len * seq_len].view(-1, seq_len)
+
+
+def windows_digest(windows: torch.Tensor) -> str:
+    """A digest of calibration windows [N, S]: their shape and token ids, the key under which the
+    calibration memos (calibrate/pairs.py's tables, methods.py's expert means) keep what they measured."""
+    digest = hashlib.sha256(str(tuple(windows.shape)).encode())
+    digest.update(windows.cpu().contiguous().numpy().tobytes())
+    return digest.hexdigest()
 
 
 DEFAULT_BATCH = 4          # the configs' default windows per pass: taken as "up to 4" on a shorter text
