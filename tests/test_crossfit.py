@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import copy
 import json
+from dataclasses import replace
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity
 from allocmoe.calibrate import methods
 from allocmoe.calibrate.crossfit import split_windows
-from allocmoe.calibrate.means import measure_expert_means
+from allocmoe.calibrate.means import fit_skipped_standins, measure_expert_means
 from allocmoe.scoring.perplexity import tokenize_windows
 
 RANK = 8
@@ -88,9 +89,10 @@ def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
                                                      "odd-numbered choose", "fit_windows": 4, "choose_windows": 4,
                                             "fit_tokens": 256, "choose_scored_tokens": 252,
                                             "final_means_windows": 8, "final_means_tokens": 512}
-    assert plan.means is not None                       # the plan returned: stand-ins fitted on all 8 windows
-    everything = measure_expert_means(model, calibration, 4, rank=RANK)
-    assert equal_means(plan.means, everything.restricted(sorted(plan.means.means)))
+    assert plan.means is not None                       # the plan returned: stand-ins fitted on all 8 windows,
+    everything = measure_expert_means(model, calibration, 4, rank=RANK)      # then on the slots the plan skips
+    shipped = fit_skipped_standins(model, calibration, replace(plan, means=everything.restricted(sorted(plan.means.means))))
+    assert equal_means(plan.means, shipped)
     assert not equal_means(plan.means, fit_means.restricted(sorted(plan.means.means)))
     assert plan.cost()["total"] <= 9 + 1e-9
 
@@ -98,10 +100,16 @@ def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
 def test_the_final_means_are_fitted_on_every_window_and_cost_what_the_chosen_ones_did(tiny):
     model, tok, text = tiny
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "substitute": True,
-              "substitute_rank": RANK, "refine": 4}
+              "substitute_rank": RANK, "refine": 4, "standin_fit": "routed"}
     plan = allocate(10, "alloc-t", model=model, tokenizer=tok, calib_text=text, config=config)
     windows = tokenize_windows(tok, text, 64, 512)
     assert equal_means(plan.means, measure_expert_means(model, windows, 4, rank=RANK))
+    assert "standin_fit" not in plan.provenance
+    shipped = allocate(10, "alloc-t", model=model, tokenizer=tok, calib_text=text,       # the default fit, from
+                       config={**config, "standin_fit": "skipped"})                       # the same plain one
+    assert shipped.layers == plan.layers and shipped.cost() == plan.cost()
+    assert equal_means(shipped.means, fit_skipped_standins(model, windows, plan))
+    assert shipped.provenance["standin_fit"]["final_means_windows"] == 8
     chosen = allocate(10, "alloc-t", model=model, tokenizer=tok, calib_text=text,
                       config={**config, "refine": 0})           # nothing chosen: fitted on all windows at once
     assert "cross_fit" not in chosen.provenance and equal_means(chosen.means, plan.means)

@@ -139,7 +139,7 @@ def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_s
     assert activations == 8
     plain = allocate(activations, "uniform", model=model, config=config)
     plan = allocate(9, "uniform", model=model, tokenizer=tok, calib_text=text,
-                    config={**config, "substitute": True, "substitute_rank": 2, "refine": 12})
+                    config={**config, "substitute": True, "substitute_rank": 2, "refine": 12, "standin_fit": "routed"})
     windows, fit, choose = split_calibration(tok, text)
     fit_means, all_means = (measure_expert_means(model, w, 4, rank=2) for w in (fit, windows))
     assert plan.means is not None and same_means(plan.means, all_means)
@@ -169,7 +169,7 @@ def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(t
     profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
     # rank 2: a stand-in costs 0.1 of an expert here, so B = 6 of 12 leaves the substitute's trials 5.3 activations
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "refine": 8,
-              "substitute_rank": 2}
+              "substitute_rank": 2, "standin_fit": "routed"}
     plan = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text, config=config)
     assert plan.cost()["total"] <= 6 + 1e-9
     details = plan.provenance["details"]

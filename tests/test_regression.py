@@ -87,3 +87,21 @@ def test_grouped_sums_fit_each_group_as_its_own_regression():
         torch.testing.assert_close(means_only.means()[1][g], y[groups == g].mean(0))
     assert grouped.n.tolist() == [float((groups == 0).sum()), float((groups == 1).sum()), 0.0]
     assert not grouped.means()[1][2].any() and means_only.sxx is None
+
+
+def test_a_weighted_fit_is_the_fit_of_each_row_repeated_as_often_as_its_weight():
+    """Integer weights (0 drops a row) against the same rows repeated: the same means and map; `samples`
+    counts the rows given with a positive weight, `n` their weights."""
+    x, y = data(seed=5)
+    weights = torch.arange(x.size(0)) % 4                                # 0, 1, 2, 3, ...
+    groups = torch.arange(x.size(0)) % 2
+    weighted, repeated = Moments(x.size(1), y.size(1), groups=2), Moments(x.size(1), y.size(1), groups=2)
+    weighted.add(x, y, groups, weights.double() / 2)                      # scale does not matter, only ratios
+    repeated.add(x.repeat_interleave(weights, 0), y.repeat_interleave(weights, 0), groups.repeat_interleave(weights))
+    for g in (0, 1):
+        (wx, wy, wd, wu), (rx, ry, rd, ru) = weighted.fit(3, 1e-2, group=g), repeated.fit(3, 1e-2, group=g)
+        torch.testing.assert_close(wx, rx)
+        torch.testing.assert_close(wy, ry)
+        torch.testing.assert_close(wd @ wu, rd @ ru)
+    assert weighted.samples.tolist() == [float(((weights > 0) & (groups == g)).sum()) for g in (0, 1)]
+    assert weighted.n.tolist() == pytest.approx([float(weights[groups == g].sum()) / 2 for g in (0, 1)])

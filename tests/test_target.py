@@ -124,7 +124,7 @@ def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(
 
     model, tok, text = tiny
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "substitute": True,
-              "substitute_rank": 2}
+              "substitute_rank": 2, "standin_fit": "routed"}
     windows = tokenize_windows(tok, text, 64, 512)
     fit, choose = split_windows(windows)
     fit_means = measure_expert_means(model, fit, 4, rank=2)
@@ -182,7 +182,7 @@ def test_a_target_search_measures_each_windows_means_once_and_gives_the_same_pla
 
     model, tok, text = tiny
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "substitute": True,
-              "substitute_rank": 2}
+              "substitute_rank": 2, "standin_fit": "routed"}
     real, calls = means_module.measure_expert_means, []
 
     def counted(model, windows, *args, **kwargs):

@@ -58,10 +58,11 @@ def cross_fit_provenance(windows: torch.Tensor) -> dict[str, Any]:
             "fit_tokens": int(fit.numel()), "choose_scored_tokens": int(choose.numel() - choose.size(0))}
 
 
-def refit(plan: Plan, means, windows: torch.Tensor, standin_costs) -> Plan:
+def refit(plan: Plan, means, windows: torch.Tensor, standin_costs, record: str = "cross_fit") -> Plan:
     """`plan` (stand-ins fitted on the fit windows, choices made on the choose windows) with its stand-ins
     replaced by `means`, fitted on all `windows`, for the same layers; `standin_costs(means)` prices them.
-    The cost is checked unchanged (a stand-in's price is its rank and the model's shapes)."""
+    The cost is checked unchanged (a stand-in's price is its rank and the model's shapes). The windows
+    are recorded under provenance[`record`]."""
     if plan.means is None:
         return plan
     means = means.restricted(sorted(plan.means.means))
@@ -69,6 +70,6 @@ def refit(plan: Plan, means, windows: torch.Tensor, standin_costs) -> Plan:
     if costs != plan.standins:
         raise AssertionError(f"refitted stand-ins cost {costs}, the chosen ones {plan.standins}")
     plan.means = means
-    record = plan.provenance.setdefault("cross_fit", {})
-    record.update(final_means_windows=int(windows.size(0)), final_means_tokens=int(windows.numel()))
+    plan.provenance.setdefault(record, {}).update(final_means_windows=int(windows.size(0)),
+                                                  final_means_tokens=int(windows.numel()))
     return plan

@@ -44,7 +44,7 @@ def _linear(moments: Moments, rank: int, ridge: float = RIDGE) -> LinearTerm:
     down = torch.zeros(num_experts, hidden, rank, dtype=torch.float64)
     up = torch.zeros(num_experts, rank, hidden, dtype=torch.float64)
     for e in range(num_experts):
-        if float(moments.n[e]) >= hidden:
+        if float(moments.samples[e]) >= hidden:
             _, _, down[e], up[e] = moments.fit(rank, ridge, group=e)
     return LinearTerm(input_mean=moments.means()[0].float(), down=down.float(), up=up.float())
 
@@ -144,6 +144,94 @@ def refit_expert_means(model, windows: torch.Tensor, plan: Plan, batch_size: int
         if rank:
             fitted.linear[index] = got.linear[index]
     return fitted
+
+
+class _Stop(Exception):
+    """Raised once the layer being fitted has been recorded: the layers above it are not needed."""
+
+
+@torch.no_grad()
+def fit_skipped_standins(model, windows: torch.Tensor, plan: Plan, batch_size: int = 4,
+                         progress: bool = False, ridge: float = RIDGE) -> ExpertMeans:
+    """`plan`'s stand-ins fitted on what they stand in for (the default fit of a shipped plan's
+    stand-ins, docs/quality.md "Stand-ins fitted where they stand in"). Under the plan, layer l's output
+    misses sum over the slots it skips of gate x (f_e(x) - stand_in_e(x)); so each expert's stand-in is
+    fitted by weighted least squares over the (token, expert) slots where the plan skips it, each
+    weighted by the square of its gate weight, on the inputs the plan gives the layer: bottom-up, with
+    the plan (and the stand-ins fitted so far) on the MoE layers below, as `refit_expert_means` does.
+    Same layers and rank as `plan.means`, so the same cost. An expert the plan skips on fewer than H
+    slots here (too few to fit an H x H map; at rank 0 too) keeps its fit in `plan.means`.
+    One pass per layer with stand-ins, each stopped at that layer."""
+    from ..routing.apply import apply_plan
+    from ..routing.select import candidates, choose
+
+    if plan.means is None:
+        raise AllocMoeError("the plan carries no stand-ins to fit; make it with the substitute (--substitute)")
+    adapter = adapter_for_model(model)
+    layers = {layer.index: layer for layer in adapter.moe_layers(model)}
+    num_experts, hidden, k_orig = adapter.num_experts(), model.config.hidden_size, plan.k_orig
+    rank = plan.means.rank
+    check_fit_memory(num_experts, hidden, rank)
+    full = StaticTopK(k_orig)
+    fitted = ExpertMeans(means={}, tokens=int(windows.numel()), linear={} if rank else None)
+    device = next(model.parameters()).device
+    for index in tqdm(sorted(plan.means.means), unit="layer", disable=not progress, desc="fit stand-ins"):
+        layer, policy = layers[index], plan.layers[index]
+        moments = Moments(hidden, hidden, num_experts, second=rank > 0)
+        rows = [0]
+
+        def record(experts, args, kwargs):
+            states = args[0] if args else kwargs["hidden_states"]                          # [T, H]
+            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]           # [T, K] full K
+            top_k_weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]       # [T, K] their gates
+            scores = adapter.score(layer.router, states)                                # the plan's choice here
+            cand_idx, cand_probs = candidates(scores.ranking, scores.probs, k_orig)
+            valid = torch.ones(states.size(0), dtype=torch.bool, device=states.device)
+            choice = choose(policy, cand_idx, cand_probs, scores.probs, valid, rows[0], k_orig)
+            kept = torch.zeros_like(scores.probs, dtype=torch.bool).scatter_(1, choice.index, choice.keep)  # [T, E]
+            skipped = ~kept.gather(1, top_k_index)                                       # [T, K]
+            token_idx, slot = skipped.nonzero(as_tuple=True)                             # [P] skipped slots
+            experts_idx = top_k_index[token_idx, slot].reshape(-1, 1)                    # [P, 1]
+            x = states[token_idx]                                                        # [P, H]
+            outputs = compact_experts_forward(experts, x, experts_idx,
+                                              torch.ones(experts_idx.shape, dtype=x.dtype, device=x.device))
+            weights = top_k_weights[token_idx, slot].double() ** 2                       # [P] gate^2
+            moments.add(x.double().cpu() if rank else None, outputs.double().cpu(), experts_idx[:, 0].cpu(),
+                        weights.cpu())
+            raise _Stop
+
+        below = replace(plan, layers={i: p if i < index else full for i, p in plan.layers.items()},
+                        means=fitted.restricted(list(fitted.means)) if fitted.means else None, substitute=None)
+        hook = layer.experts.register_forward_pre_hook(record, with_kwargs=True)
+        try:
+            with apply_plan(model, below):
+                for batch in windows.split(batch_size):
+                    rows[0] = batch.size(0)
+                    try:
+                        model(input_ids=batch.to(device))
+                    except _Stop:
+                        pass
+        finally:
+            hook.remove()
+        fitted.means[index], term = _skipped_fit(moments, plan.means, index, rank, ridge)
+        if rank:
+            fitted.linear[index] = term
+    return fitted
+
+
+def _skipped_fit(moments: Moments, plain: ExpertMeans, index: int, rank: int,
+                 ridge: float) -> tuple[torch.Tensor, LinearTerm | None]:
+    """Layer `index`'s means [E, H] (and rank-r term) from the skipped slots' `moments`; each expert with
+    fewer than H samples there keeps `plain`'s."""
+    hidden = moments.sy.size(1)
+    enough = moments.samples >= hidden                                                   # [E]
+    means = torch.where(enough[:, None], moments.means()[1].float(), plain.means[index])
+    if not rank:
+        return means, None
+    old, new = plain.linear[index], _linear(moments, rank, ridge)     # _linear: zeros below H samples
+    pick = enough[:, None, None]
+    return means, LinearTerm(input_mean=torch.where(enough[:, None], new.input_mean, old.input_mean),
+                             down=torch.where(pick, new.down, old.down), up=torch.where(pick, new.up, old.up))
 
 
 @torch.no_grad()

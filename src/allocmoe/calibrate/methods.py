@@ -54,6 +54,9 @@ METHODS = ("alloc-moe", "auto", "alloc-l", "alloc-t", "uniform", "ascending", "d
 CONFIG_METHODS = ("uniform", "ascending", "descending", "alloc-t")    # the model's config is all they read
 
 
+STANDIN_FITS = ("skipped", "routed")     # AllocateConfig.standin_fit: calibrate/means.py fit_skipped_standins, measure_expert_means
+
+
 class AllocateConfig(Config):
     """How a plan is made from a budget: Alloc-T's settings, calibration, and the add-ons."""
     __config_aliases__ = {"calib_max_tokens": "calib_tokens", "batch_size": "windows_per_pass"}   # deprecated
@@ -71,10 +74,16 @@ class AllocateConfig(Config):
     refine: int | None = None       # calibration passes for the joint refinement; None: AUTO_REFINE for auto, else 0
     substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
                                     # on the shipped models rank 8 kept half the loss the means left (quality.md)
+    standin_fit: str = "skipped"    # how a plan's stand-ins are fitted for shipping: "skipped", on the slots the plan
+                                    # skips, gate^2-weighted, under the plan (built-in model at half: 0.137 -> 0.075
+                                    # of uniform's loss, quality.md); "routed", on every token routed to the expert
 
     def __post_init__(self):        # types are checked by Config.__init__ before this runs
         if self.pool not in ("batch", "sequence"):
             raise AllocMoeError(f"pool (--pool) must be 'batch' or 'sequence', got {self.pool!r}; give one of those")
+        if self.standin_fit not in STANDIN_FITS:
+            raise AllocMoeError(f"standin_fit (--standin-fit) must be one of {', '.join(STANDIN_FITS)}, got "
+                                f"{self.standin_fit!r}; give one of those")
         check_counts(self, {"k_base": 0, "calib_tokens": 2, "seq_len": 2, "windows_per_pass": 1, "lexi_samples": 1,
                             "seed": 0, "refine": 0, "substitute_rank": 0},
                      most={"lexi_samples": 1 << 20, "seed": 2**63 - 1})
@@ -389,12 +398,30 @@ def _allocate_checked(budget, method: str, profile, model, tokenizer, calib_text
 
 
 def _refitted(plan: Plan, model, tokenizer, calib_text, config: AllocateConfig) -> Plan:
-    """`plan` with its stand-ins refitted on all the calibration windows where they were fitted on the
-    fit windows alone (calibrate/crossfit.py refit): the same layers, the same cost."""
-    if plan.means is None or "cross_fit" not in plan.provenance:
+    """`plan` with its stand-ins fitted for shipping, on all the calibration windows, for the same layers at
+    the same cost: where they were fitted on the fit windows alone, refitted on all of them (calibrate/
+    crossfit.py refit); then, with standin_fit "skipped", refitted on the slots the plan skips
+    (calibrate/means.py fit_skipped_standins). The choices made stand: neither fit chooses anything."""
+    if plan.means is None:
         return plan
     windows = _calibration_windows(model, tokenizer, calib_text, config)
-    return refit(plan, _measure_means(model, windows, config), windows, lambda means: standin_costs(model, means))
+
+    def costs(means):
+        return standin_costs(model, means)
+
+    if "cross_fit" in plan.provenance:
+        plan = refit(plan, _measure_means(model, windows, config), windows, costs)
+    if config.standin_fit == "skipped":
+        from .means import fit_skipped_standins
+
+        plan = refit(plan, fit_skipped_standins(model, windows, plan, config.windows_per_pass, config.progress),
+                     windows, costs, record="standin_fit")
+        plan.provenance["standin_fit"]["fit"] = SKIPPED_FIT
+    return plan
+
+
+SKIPPED_FIT = ("each expert on the slots the plan skips, weighted by gate^2, on the plan's inputs (bottom-up); "
+               "an expert skipped on fewer than H slots keeps its fit on every routed token")
 
 
 K_BASE_METHODS = ("alloc-moe", "alloc-t", "auto")      # the methods that read k_base (and pool)

@@ -40,15 +40,7 @@ def add_parsers(sub) -> None:
     p.add_argument("--method", default=None, choices=METHODS, help="allocation method (default: auto)")
     p.add_argument("--k-base", type=positive_int, default=None, help="Alloc-T: experts every token keeps (default 1)")
     p.add_argument("--pool", default=None, choices=("batch", "sequence"), help="Alloc-T pool extent (default: batch)")
-    p.add_argument("--substitute", action=argparse.BooleanOptionalAction, default=None,
-                   help="add back a stand-in for each skipped expert: its calibrated mean output plus a rank-R "
-                        "linear term (saved beside the plan as <name>.means.safetensors; allocmoe "
-                        "serve/generate/eval/bench and the vLLM plugin run it, engine-wide export formats "
-                        "do not); "
-                        "default: auto tries with and without, other methods without")
-    p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
-                   help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
-                        "mean (default 8; 0: the means alone, as MoNE)")
+    _add_substitute_flags(p)
     p.add_argument("--refine", type=non_negative_int, default=None, metavar="PASSES",
                    help="refine the allocation with at most this many calibration passes, resumable (0 = off; "
                         "default: 128 for auto, 0 for the other methods)")
@@ -90,6 +82,24 @@ ALLOCATE_READERS = {
                      "(alloc-moe or alloc-l without --profile) run the model on text"),
     "--no-prefix-cache": ("profiling", "only profiling (alloc-moe, alloc-l or auto without --profile) reads it"),
 }
+
+
+def _add_substitute_flags(p) -> None:
+    """allocate's flags for the stand-ins of skipped experts (the substitute)."""
+    p.add_argument("--substitute", action=argparse.BooleanOptionalAction, default=None,
+                   help="add back a stand-in for each skipped expert: its calibrated mean output plus a rank-R "
+                        "linear term (saved beside the plan as <name>.means.safetensors; allocmoe "
+                        "serve/generate/eval/bench and the vLLM plugin run it, engine-wide export formats "
+                        "do not); "
+                        "default: auto tries with and without, other methods without")
+    p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
+                   help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
+                        "mean (default 8; 0: the means alone, as MoNE)")
+    p.add_argument("--standin-fit", default=None, choices=("skipped", "routed"),
+                   help="with the substitute: how the plan's stand-ins are fitted for shipping, once every choice "
+                        "is made: skipped, on the slots the plan skips, weighted by gate^2, on the inputs the plan "
+                        "gives each layer (default); routed, on every token routed to the expert, the full model's "
+                        "inputs (the fit before; docs/quality.md)")
 
 
 def allocate_reads(method: str, *, profile_given: bool, calibrates: bool, profiles: bool) -> set[str]:
@@ -214,11 +224,13 @@ def _allocate_config(args):
     config = AllocateConfig(k_base=args.k_base, pool=args.pool, calib_tokens=args.calib_tokens,
                             seq_len=args.seq_len, windows_per_pass=args.windows_per_pass, progress=not args.quiet,
                             substitute=args.substitute, refine=args.refine,
-                            **({} if args.substitute_rank is None else {"substitute_rank": args.substitute_rank}))
+                            **({} if args.substitute_rank is None else {"substitute_rank": args.substitute_rank}),
+                            **({} if args.standin_fit is None else {"standin_fit": args.standin_fit}))
     substitute, refine = addons(args.method, config)
-    if args.substitute_rank is not None and not substitute:
-        raise AllocMoeError(f"--substitute-rank applies to the substitute, which --method {args.method} runs without "
-                            f"here; add --substitute, or drop --substitute-rank")
+    for flag, value in (("--substitute-rank", args.substitute_rank), ("--standin-fit", args.standin_fit)):
+        if value is not None and not substitute:
+            raise AllocMoeError(f"{flag} applies to the substitute, which --method {args.method} runs without "
+                                f"here; add --substitute, or drop {flag}")
     if (substitute or refine) and args.method not in ADDON_METHODS:
         raise AllocMoeError(f"--method {args.method} cannot take --substitute or --refine (they need a budget-exact "
                             f"top-k allocation); use one of {', '.join(ADDON_METHODS)}, or drop those flags")
@@ -324,7 +336,8 @@ def _allocate_distinct(args) -> None:
                                 "per token, --max-distinct-experts for distinct experts per decode step")
     for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
                         ("--pool", args.pool), ("--substitute", args.substitute),
-                        ("--substitute-rank", args.substitute_rank), ("--refine", args.refine),
+                        ("--substitute-rank", args.substitute_rank), ("--standin-fit", args.standin_fit),
+                        ("--refine", args.refine),
                         ("--windows-per-pass", args.windows_per_pass)):
         if value is not None:
             raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "

@@ -1,0 +1,110 @@
+"""Stand-ins fitted where they stand in (calibrate/means.py `fit_skipped_standins`), against brute force:
+the slots a plan skips found from the router written out by hand, each expert's stand-in a weighted
+least-squares fit (torch.linalg.lstsq) on those slots, weighted by the square of their gates."""
+
+import pytest
+import torch
+
+import allocmoe.calibrate.means as means_module
+from allocmoe import AllocT, Plan, StaticTopK, apply_plan, model_fingerprint
+from allocmoe.calibrate.means import fit_skipped_standins, measure_expert_means
+from allocmoe.core.means import ExpertMeans
+from conftest import COMMON, build_tiny, expert_inputs, olmoe_expert_output
+
+HIDDEN = COMMON["hidden_size"]
+
+
+def below(plan: Plan, index: int, fitted: ExpertMeans) -> Plan:
+    """The plan on the MoE layers below `index` (with `fitted`'s stand-ins there), full K from it up."""
+    fp = plan.model
+    return Plan(model=fp, method="by hand", budget=plan.budget,
+                layers={i: plan.layers[i] if i < index else StaticTopK(fp["k_orig"]) for i in fp["moe_layers"]},
+                means=fitted.restricted([i for i in fitted.means if i < index]) if index > fp["moe_layers"][0] else None)
+
+
+def skipped_slots(model, windows, plan: Plan, index: int, fitted: ExpertMeans):
+    """(inputs [P, H], experts [P], gates [P]) of the slots static top-k skips at layer `index`: each token's
+    ranks k..K-1 by OLMoE's softmax router (no renormalisation), on the inputs the plan below produces."""
+    x, _ = expert_inputs(model, windows, index, below(plan, index, fitted))
+    probs = torch.softmax(x @ model.model.layers[index].mlp.gate.weight.T, dim=-1)
+    gates, experts = probs.topk(plan.k_orig, dim=-1)
+    k = plan.layers[index].k
+    return x.repeat_interleave(plan.k_orig - k, dim=0), experts[:, k:].reshape(-1), gates[:, k:].reshape(-1)
+
+
+def stand_in(means: ExpertMeans, index: int, e: int, x: torch.Tensor) -> torch.Tensor:
+    term = means.linear[index]
+    return means.means[index][e] + ((x - term.input_mean[e]) @ term.down[e]) @ term.up[e]
+
+
+@torch.no_grad()
+def test_each_expert_is_the_gate_squared_weighted_least_squares_fit_on_the_slots_the_plan_skips():
+    model = build_tiny("olmoe")
+    fp = model_fingerprint(model)
+    windows = torch.randint(0, COMMON["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(5))
+    plan = Plan(model=fp, layers={i: StaticTopK(2) for i in fp["moe_layers"]}, method="test", budget=6.0)
+    plan.means = measure_expert_means(model, windows, rank=HIDDEN)          # full rank: the fit is lstsq's
+    fitted = fit_skipped_standins(model, windows, plan, ridge=1e-12)
+    assert sorted(fitted.means) == fp["moe_layers"] and fitted.rank == HIDDEN
+    for index in fp["moe_layers"]:
+        x, experts, gates = skipped_slots(model, windows, plan, index, fitted)
+        module = model.model.layers[index].mlp.experts
+        for e in range(fp["num_experts"]):
+            rows = experts == e
+            assert int(rows.sum()) >= HIDDEN                                  # enough slots: fitted here
+            xe, w = x[rows].double(), gates[rows].double() ** 2
+            ye = olmoe_expert_output(module, x[rows], e).double()
+            design = torch.cat([torch.ones(len(xe), 1, dtype=xe.dtype), xe], 1) * w.sqrt()[:, None]
+            coef = torch.linalg.lstsq(design, ye * w.sqrt()[:, None]).solution
+            want = torch.cat([torch.ones(len(xe), 1, dtype=xe.dtype), xe], 1) @ coef
+            torch.testing.assert_close(stand_in(fitted, index, e, x[rows]).double(), want, rtol=2e-3, atol=2e-3)
+            torch.testing.assert_close(fitted.linear[index].input_mean[e].double(),
+                                       (w[:, None] * xe).sum(0) / w.sum(), rtol=1e-4, atol=1e-5)
+
+
+@torch.no_grad()
+def test_an_expert_skipped_on_fewer_than_h_slots_keeps_its_fit_on_every_routed_token():
+    model = build_tiny("olmoe")
+    fp = model_fingerprint(model)
+    windows = torch.randint(0, COMMON["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(6))
+    plan = Plan(model=fp, layers={i: StaticTopK(3) for i in fp["moe_layers"]}, method="test", budget=9.0)
+    plan.means = measure_expert_means(model, windows, rank=2)
+    fitted = fit_skipped_standins(model, windows, plan)
+    kept_plain = refitted = 0
+    for index in fp["moe_layers"]:
+        _, experts, _ = skipped_slots(model, windows, plan, index, fitted)
+        for e in range(fp["num_experts"]):
+            same = all(torch.equal(getattr(fitted.linear[index], part)[e], getattr(plan.means.linear[index], part)[e])
+                       for part in ("input_mean", "down", "up"))
+            same = same and torch.equal(fitted.means[index][e], plan.means.means[index][e])
+            few = int((experts == e).sum()) < HIDDEN
+            assert same == few, (index, e, int((experts == e).sum()))
+            kept_plain, refitted = kept_plain + few, refitted + (not few)
+    assert kept_plain and refitted                                           # both cases were exercised
+
+
+@torch.no_grad()
+def test_under_alloc_t_the_fit_sees_exactly_the_slots_the_router_drops(monkeypatch):
+    """Alloc-T's choice depends on the pass's pool: the slots fitted on at each layer are as many as the
+    plan's router drops there when the shipped plan runs over the same windows (K x tokens - activations)."""
+    model = build_tiny("olmoe")
+    fp = model_fingerprint(model)
+    windows = torch.randint(0, COMMON["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(7))
+    plan = Plan(model=fp, layers={i: AllocT(k=1.5, k_base=0) for i in fp["moe_layers"]}, method="test", budget=4.5)
+    plan.means = measure_expert_means(model, windows, rank=2)
+    samples, real = {}, means_module._skipped_fit
+
+    def spy(moments, plain, index, rank, ridge):
+        samples[index] = float(moments.samples.sum())
+        return real(moments, plain, index, rank, ridge)
+
+    monkeypatch.setattr(means_module, "_skipped_fit", spy)
+    shipped = Plan(**{**plan.__dict__, "means": fit_skipped_standins(model, windows, plan, batch_size=4)})
+    with apply_plan(model, shipped) as handle:
+        for batch in windows.split(4):
+            model(batch)
+        activations = handle.layer_activations()
+    tokens = windows.numel()
+    for index in fp["moe_layers"]:
+        assert samples[index] == pytest.approx(fp["k_orig"] * tokens - activations[index] * tokens)
+        assert 0 < samples[index] < fp["k_orig"] * tokens
