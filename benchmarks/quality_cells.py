@@ -14,8 +14,12 @@ held-out calibration and test parts (examples/texts/fortunes/); allocmoe was not
 (ppl - ppl_full) / (ppl_uniform - ppl_full), and which method won. A model whose sweep folder
 already holds results.json is not rerun (delete the folder to rerun it).
 
+`--methods auto,uniform --others docs/quality/cells.json` reruns only those methods (after a change
+to `auto` alone, say) and takes every other method's test perplexity from an earlier run's cells, as
+they were measured there (the JSON records which came from where).
+
     python benchmarks/quality_cells.py [--models builtin,qwen3_moe,olmoe] [--root runs/quality]
-           [--output docs/quality/cells.json]
+           [--methods auto,uniform --others docs/quality/cells.json] [--output docs/quality/cells.json]
 """
 
 from __future__ import annotations
@@ -42,7 +46,7 @@ DEFAULT = "auto"          # the default method of `allocmoe allocate`
 THRESHOLD = ("top-p", "naee")   # match the budget only on average over calibration text
 
 
-def run_sweep(name: str, folder: Path, threads: int) -> dict:
+def run_sweep(name: str, folder: Path, threads: int, methods: list[str] | None = None) -> dict:
     done = folder / "results.json"
     if done.exists():
         return json.loads(done.read_text())
@@ -51,21 +55,34 @@ def run_sweep(name: str, folder: Path, threads: int) -> dict:
     calib_file, test_file = TEXTS.get(name, (None, None))
     calib, _ = allocmoe.read_text(calib_file, "calibration")
     test, _ = allocmoe.read_text(test_file, "test")
-    return allocmoe.sweep(model, tok, calib, test, {"progress": True}, output_dir=folder)
+    return allocmoe.sweep(model, tok, calib, test, {"progress": True, **({"methods": methods} if methods else {})},
+                          output_dir=folder)
 
 
-def cells(results: dict) -> list[dict]:
+def cells(results: dict, others: list[dict] | None = None) -> list[dict]:
+    """Per budget: each method's test perplexity, its share of uniform's increase, the winner; methods this
+    run did not score are taken from `others` (an earlier run's cells of the same model), where given."""
     full = results["full"]["perplexity"]
     by_budget: dict[float, dict[str, float]] = {}
     for row in results["rows"]:
         by_budget.setdefault(row["budget"], {})[row["method"]] = row["perplexity"]
+    earlier = {round(c["budget"], 6): c for c in others or []}
     out = []
     for budget, ppl in sorted(by_budget.items()):
+        taken = {}
+        if others is not None:
+            before = earlier[round(budget, 6)]
+            if abs(before["full"] - full) > 1e-6 * full or abs(before["uniform"] - ppl["uniform"]) > 1e-6 * full:
+                raise SystemExit(f"the earlier cells' full model or uniform ({before['full']:.4f}, {before['uniform']:.4f}) "
+                                 f"differ from this run's ({full:.4f}, {ppl['uniform']:.4f}): not the same setting")
+            taken = {m: p for m, p in before["perplexity"].items() if m not in ppl}
+            ppl = {**ppl, **taken}
         uniform = ppl["uniform"]
         share = {m: (p - full) / (uniform - full) for m, p in ppl.items()}
         winner = min(ppl, key=ppl.get)
         out.append({"budget": budget, "full": full, "uniform": uniform, "perplexity": ppl, "share": share,
-                    "winner": winner, "default_wins": ppl[DEFAULT] <= min(ppl.values())})
+                    "winner": winner, "default_wins": ppl[DEFAULT] <= min(ppl.values()),
+                    **({"from_earlier_run": sorted(taken)} if taken else {})})
     return out
 
 
@@ -75,12 +92,18 @@ def main() -> None:
     parser.add_argument("--root", type=Path, default=ROOT / "runs" / "quality", help="sweep folders go here")
     parser.add_argument("--threads", type=int, default=2, help="torch threads for the sweeps")
     parser.add_argument("--output", type=Path, default=None, help="also write the cells as JSON")
+    parser.add_argument("--methods", default=None, help="run only these methods (default: all ten)")
+    parser.add_argument("--others", type=Path, default=None, help="an earlier run's cells JSON: the methods not "
+                        "run here are taken from it")
     args = parser.parse_args()
     summary = {"machine": cpu_name(), "models": {}}
+    earlier = json.loads(args.others.read_text())["models"] if args.others else None
+    if args.others:
+        summary["others_from"] = str(args.others)
     for name in args.models.split(","):
         started = time.time()
-        results = run_sweep(name, args.root / name, args.threads)
-        rows = cells(results)
+        results = run_sweep(name, args.root / name, args.threads, args.methods.split(",") if args.methods else None)
+        rows = cells(results, earlier[name]["cells"] if earlier else None)
         summary["models"][name] = {"cells": rows, "calibration_tokens": results["calibration"].get("tokens_scored"),
                                    "test_tokens": results["evaluation"]["tokens"],
                                    "sweep_seconds": results.get("seconds"), "environment": results["environment"]}

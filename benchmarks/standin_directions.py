@@ -6,7 +6,8 @@ same allocation at the same total cost (activations + stand-ins + corrections, i
 only how the skipped slots are stood in for changes. Every fit and choice on calibration text (the
 8,192-token split), every reported figure on the test split (16,384 tokens), windows of 512.
 
-  today        rank-8 stand-ins fitted on the full model's inputs (calibrate/means.py, the default)
+  today        rank-8 stand-ins fitted on the full model's inputs (calibrate/means.py; the default until
+               the skipped fit below)
   sequential   (a) the same stand-ins refitted bottom-up on the inputs the cut layers below produce
                under the plan (`refit_expert_means`)
   correction   (b) no per-expert stand-ins: one low-rank map per MoE layer, fitted in closed form
@@ -21,6 +22,8 @@ only how the skipped slots are stood in for changes. Every fit and choice on cal
                fitted on all of them
   ridge        (c) the stand-ins' ridge chosen from 1e-2 (today), 1e-1, 1 by fitting on the first half of
                the calibration windows and scoring the second half; refit on all with the winner
+  skipped      the stand-ins fitted where they stand in (`fit_skipped_standins`, the default since): each
+               expert on the slots the plan skips, weighted by gate^2, on the plan's inputs, bottom-up
 
 The correction is prototyped here with forward hooks on the MoE blocks: it is not in the plan format.
 
@@ -39,7 +42,7 @@ from pathlib import Path
 import torch
 
 import allocmoe
-from allocmoe.calibrate.means import RIDGE, measure_expert_means, refit_expert_means
+from allocmoe.calibrate.means import RIDGE, fit_skipped_standins, measure_expert_means, refit_expert_means
 from allocmoe.core.budget import standin_multiply_adds
 from allocmoe.core.regression import Moments
 from allocmoe.routing.adapters import adapter_for_model
@@ -177,7 +180,8 @@ def direction_steps(model, calib, plan, today, corrections: Corrections) -> dict
             "sequential": lambda: standins(refit_expert_means(model, calib, replace(plan, means=today))),
             "correction": lambda: correction(0, hidden * (2 * RANK + 1)),
             "beside": lambda: correction(RANK // 2, hidden * 2 * (RANK - RANK // 2)),
-            "chosen": chosen, "ridge": ridge}
+            "chosen": chosen, "ridge": ridge,
+            "skipped": lambda: standins(fit_skipped_standins(model, calib, replace(plan, means=today)))}
 
 
 def run_budget(model, tok, calib_text, calib, test, profile, budget: str, corrections: Corrections,
@@ -185,7 +189,8 @@ def run_budget(model, tok, calib_text, calib, test, profile, budget: str, correc
     started = time.time()                # allocate fits today's stand-ins on the same calibration windows
     plan = allocmoe.allocate(budget, "alloc-moe", profile=profile, model=model, tokenizer=tok, calib_text=calib_text,
                              config={"substitute": True, "k_base": 0, "substitute_rank": RANK, "refine": 0,
-                                     "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS, "progress": False})
+                                     "standin_fit": "routed", "seq_len": SEQ_LEN, "calib_tokens": CALIB_TOKENS,
+                                     "progress": False})
     today, fit_today = plan.means, time.time() - started
     steps = direction_steps(model, calib, plan, today, corrections)
     rows = []

@@ -644,7 +644,18 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
         chosen_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if best["k_base"] is None
                                           else best["k_base"]})
         plan = _refined(plan, model, choose, chosen_config, refine, refine_memo)
-    return plan
+    return _filled(plan, model, choose, config, budget)
+
+
+def _filled(plan: Plan, model, windows, config: AllocateConfig, budget: Budget) -> Plan:
+    """auto's plan with the budget whole k left given to the layer where it helps most on `windows`
+    (calibrate/refine.py fill_remainder); provenance.details.remainder says what was tried."""
+    from .refine import fill_remainder
+
+    filled, record = fill_remainder(plan, lambda p: _calib_ppl(model, p, windows, config),
+                                    budget.activations_per_token, config.pool, config.progress)
+    filled.provenance = {**plan.provenance, "details": {**plan.provenance.get("details", {}), "remainder": record}}
+    return filled
 
 
 def _auto_trials(budget: Budget, profile, model, config: AllocateConfig, means, candidates) -> list[dict]:

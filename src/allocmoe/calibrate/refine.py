@@ -101,6 +101,50 @@ def refine_allocation(plan: Plan, calib_ppl: Callable[[Plan], float], max_evalua
                      "start_calibration_perplexity": round(start, 6), "calibration_perplexity": round(best, 6)}
 
 
+MIN_REMAINDER = 0.05     # activation-equivalents: a remainder below this is left unspent (too little to move a score)
+
+
+def fill_remainder(plan: Plan, calib_ppl: Callable[[Plan], float], budget: float, pool: str = "batch",
+                   progress: bool = False) -> tuple[Plan, dict]:
+    """Spend what whole k leave of `budget` (B minus the plan's total cost: stand-ins priced per slot
+    cannot be bought in whole experts, so a plan of whole k may leave up to a tenth of B). For each
+    layer l below K_orig, the plan with l's k raised by r / (1 - u_l) (r the remainder, u_l its
+    stand-in's cost per skipped slot, 0 without; capped at K_orig) run as Alloc-T that still gives
+    every token its whole k (k_base = floor of the old k): the extra goes to the tokens whose next
+    candidate carries most probability. Each is scored by `calib_ppl`; the best is taken if it beats
+    the plan. One pass per layer below K_orig, plus the plan's own. Returns the plan and a record."""
+    standins = plan.standin_costs() or {}
+    cost = plan.cost()["total"]
+    remainder = budget - cost
+    record: dict[str, Any] = {"remainder": round(remainder, 6)}
+    if remainder < MIN_REMAINDER or not all(isinstance(p, (StaticTopK, AllocT)) for p in plan.layers.values()):
+        return plan, record
+    trials = {}
+    for index, policy in sorted(plan.layers.items()):
+        k = float(policy.k)
+        if k < plan.k_orig:
+            raised = min(float(plan.k_orig), k + math.floor(remainder / (1 - standins.get(index, 0.0)) * 1e9) / 1e9)
+            base = policy.k_base if isinstance(policy, AllocT) else int(k)
+            filled = copy.copy(plan)
+            filled.layers = {**plan.layers, index: AllocT(k=raised, k_base=base,
+                                                          pool=policy.pool if isinstance(policy, AllocT) else pool)}
+            if filled.cost()["total"] <= budget + 1e-9:
+                trials[index] = filled
+    if not trials:
+        return plan, record
+    scores = {}
+    for index, filled in tqdm(trials.items(), desc="spend the remainder", unit="eval", disable=not progress):
+        scores[index] = calib_ppl(filled)
+    start = calib_ppl(plan)
+    best = min(scores, key=scores.get)
+    record.update(start_calibration_perplexity=round(start, 6),
+                  tried={str(i): round(v, 6) for i, v in scores.items()})
+    if scores[best] < start:
+        record.update(layer=best, k=trials[best].layers[best].k, calibration_perplexity=round(scores[best], 6))
+        return trials[best], record
+    return plan, record
+
+
 class SavedScores(dict):
     """A refinement memo that writes itself atomically to `path` on every new score, under `key` (what
     the scores depend on: model, calibration, method, budget, substitute). A rerun with the same key
