@@ -9,7 +9,7 @@ import allocmoe.calibrate.means as means_module
 from allocmoe import AllocT, Plan, StaticTopK, apply_plan, model_fingerprint
 from allocmoe.calibrate.means import fit_skipped_standins, measure_expert_means
 from allocmoe.core.means import ExpertMeans
-from conftest import COMMON, build_tiny, expert_inputs, olmoe_expert_output
+from conftest import COMMON, FAMILIES, build_tiny, expert_inputs, olmoe_expert_output
 
 HIDDEN = COMMON["hidden_size"]
 
@@ -108,3 +108,32 @@ def test_under_alloc_t_the_fit_sees_exactly_the_slots_the_router_drops(monkeypat
     for index in fp["moe_layers"]:
         assert samples[index] == pytest.approx(fp["k_orig"] * tokens - activations[index] * tokens)
         assert 0 < samples[index] < fp["k_orig"] * tokens
+
+
+@pytest.mark.parametrize("family", sorted(FAMILIES))
+@torch.no_grad()
+def test_every_family_fits_on_as_many_slots_as_its_router_drops(family, monkeypatch):
+    """The skipped slots come from the family's own scores (its adapter), Alloc-T's pool included: at each
+    layer the fit sees K x tokens - the activations the plan's router counts over the same windows."""
+    model = build_tiny(family)
+    fp = model_fingerprint(model)
+    k_orig = fp["k_orig"]
+    windows = torch.randint(0, COMMON["vocab_size"], (4, 32), generator=torch.Generator().manual_seed(8))
+    layers = fp["moe_layers"]
+    plan = Plan(model=fp, layers={i: StaticTopK(k_orig - 1) if n % 2 else AllocT(k=k_orig / 2, k_base=0)
+                                  for n, i in enumerate(layers)}, method="test", budget=float(k_orig * len(layers)))
+    plan.means = measure_expert_means(model, windows, rank=2)
+    samples, real = {}, means_module._skipped_fit
+
+    def spy(moments, plain, index, rank, ridge):
+        samples[index] = float(moments.samples.sum())
+        return real(moments, plain, index, rank, ridge)
+
+    monkeypatch.setattr(means_module, "_skipped_fit", spy)
+    shipped = Plan(**{**plan.__dict__, "means": fit_skipped_standins(model, windows, plan, batch_size=4)})
+    with apply_plan(model, shipped) as handle:
+        for batch in windows.split(4):
+            model(batch)
+        activations = handle.layer_activations()
+    for index in layers:
+        assert samples[index] == pytest.approx((k_orig - activations[index]) * windows.numel()), index

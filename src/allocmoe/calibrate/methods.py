@@ -9,9 +9,10 @@
   top-p       one global p calibrated so measured activations match B on calibration text
   naee        per-layer beta_l calibrated so each layer spends B/L on calibration text
   auto        tries alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute,
-              on calibration text, keeps the best, then refines it (the default method); the stand-ins are
-              fitted on half the calibration windows and every choice scored on the other half, then
-              refitted on all of them (calibrate/crossfit.py)
+              on calibration text, keeps the best, refines it, then spends what whole k left of B on the
+              layer where it helps most (the default method); the stand-ins are fitted on half the
+              calibration windows and every choice scored on the other half, then refitted on all of
+              them (calibrate/crossfit.py) and on the slots the plan skips (standin_fit)
 
 Two add-ons work with any budget-exact method, and `auto` uses both by default (docs/quality.md):
   substitute  each skipped candidate expert adds gate x a stand-in for its output: its calibrated mean
