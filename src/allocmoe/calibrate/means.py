@@ -49,6 +49,23 @@ def _linear(moments: Moments, rank: int, ridge: float = RIDGE) -> LinearTerm:
     return LinearTerm(input_mean=moments.means()[0].float(), down=down.float(), up=up.float())
 
 
+def _experts_call(args, kwargs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(hidden states [T, H], top-K experts [T, K], their gate weights [T, K]) of a call to a layer's experts
+    module, as a forward pre-hook sees it (positional or by name)."""
+    states = args[0] if args else kwargs["hidden_states"]
+    top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]
+    top_k_weights = args[2] if len(args) > 2 else kwargs.get("top_k_weights")
+    return states, top_k_index, top_k_weights
+
+
+def _plan_below(plan: Plan, index: int, fitted: ExpertMeans) -> Plan:
+    """`plan` on the MoE layers below `index`, with the stand-ins `fitted` so far (all below it), and full K
+    from `index` up: what a bottom-up fit runs while it records layer `index`."""
+    full = StaticTopK(plan.k_orig)
+    return replace(plan, layers={i: policy if i < index else full for i, policy in plan.layers.items()},
+                   means=fitted.restricted(list(fitted.means)) if fitted.means else None, substitute=None)
+
+
 def check_fit_memory(num_experts: int, hidden: int, rank: int) -> int:
     """The input moments one MoE layer's rank-`rank` fit keeps (bytes; 0 at rank 0), refused when they
     would not fit in the host's free memory. Cheap: the CLI calls it before any weights load."""
@@ -84,8 +101,7 @@ def measure_expert_means(model, windows: torch.Tensor, batch_size: int = 4, prog
 
     def record(index: int):
         def hook(experts, args, kwargs):
-            states = args[0] if args else kwargs["hidden_states"]                      # [T, H]
-            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]       # [T, K]
+            states, top_k_index, _ = _experts_call(args, kwargs)                    # [T, H], [T, K]
             k = top_k_index.size(-1)
             pairs = top_k_index.reshape(-1, 1)                                      # [T*K, 1]
             x = states.repeat_interleave(k, dim=0)                                  # [T*K, H]
@@ -132,13 +148,9 @@ def refit_expert_means(model, windows: torch.Tensor, plan: Plan, batch_size: int
     if plan.means is None:
         raise AllocMoeError("the plan carries no stand-ins to refit; make it with the substitute (--substitute)")
     rank = plan.means.rank if rank is None else rank
-    full = StaticTopK(plan.k_orig)
     fitted = ExpertMeans(means={}, tokens=int(windows.numel()), linear={} if rank else None)
     for index in tqdm(sorted(plan.means.means), unit="layer", disable=not progress, desc="refit stand-ins"):
-        below = replace(plan, layers={i: policy if i < index else full for i, policy in plan.layers.items()},
-                        means=fitted.restricted(list(fitted.means)) if fitted.means else None,   # all below l
-                        substitute=None)
-        with apply_plan(model, below):
+        with apply_plan(model, _plan_below(plan, index, fitted)):
             got = measure_expert_means(model, windows, batch_size, rank=rank, layers=[index], ridge=ridge)
         fitted.means[index] = got.means[index]
         if rank:
@@ -172,7 +184,6 @@ def fit_skipped_standins(model, windows: torch.Tensor, plan: Plan, batch_size: i
     num_experts, hidden, k_orig = adapter.num_experts(), model.config.hidden_size, plan.k_orig
     rank = plan.means.rank
     check_fit_memory(num_experts, hidden, rank)
-    full = StaticTopK(k_orig)
     fitted = ExpertMeans(means={}, tokens=int(windows.numel()), linear={} if rank else None)
     device = next(model.parameters()).device
     for index in tqdm(sorted(plan.means.means), unit="layer", disable=not progress, desc="fit stand-ins"):
@@ -181,9 +192,7 @@ def fit_skipped_standins(model, windows: torch.Tensor, plan: Plan, batch_size: i
         rows = [0]
 
         def record(experts, args, kwargs):
-            states = args[0] if args else kwargs["hidden_states"]                          # [T, H]
-            top_k_index = args[1] if len(args) > 1 else kwargs["top_k_index"]           # [T, K] full K
-            top_k_weights = args[2] if len(args) > 2 else kwargs["top_k_weights"]       # [T, K] their gates
+            states, top_k_index, top_k_weights = _experts_call(args, kwargs)           # [T, H], [T, K] x 2
             scores = adapter.score(layer.router, states)                                # the plan's choice here
             cand_idx, cand_probs = candidates(scores.ranking, scores.probs, k_orig)
             valid = torch.ones(states.size(0), dtype=torch.bool, device=states.device)
@@ -200,11 +209,9 @@ def fit_skipped_standins(model, windows: torch.Tensor, plan: Plan, batch_size: i
                         weights.cpu())
             raise _Stop
 
-        below = replace(plan, layers={i: p if i < index else full for i, p in plan.layers.items()},
-                        means=fitted.restricted(list(fitted.means)) if fitted.means else None, substitute=None)
         hook = layer.experts.register_forward_pre_hook(record, with_kwargs=True)
         try:
-            with apply_plan(model, below):
+            with apply_plan(model, _plan_below(plan, index, fitted)):
                 for batch in windows.split(batch_size):
                     rows[0] = batch.size(0)
                     try:

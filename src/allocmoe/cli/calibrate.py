@@ -86,6 +86,8 @@ ALLOCATE_READERS = {
 
 def _add_substitute_flags(p) -> None:
     """allocate's flags for the stand-ins of skipped experts (the substitute)."""
+    from ..calibrate.methods import STANDIN_FITS
+
     p.add_argument("--substitute", action=argparse.BooleanOptionalAction, default=None,
                    help="add back a stand-in for each skipped expert: its calibrated mean output plus a rank-R "
                         "linear term (saved beside the plan as <name>.means.safetensors; allocmoe "
@@ -95,7 +97,7 @@ def _add_substitute_flags(p) -> None:
     p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
                    help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
                         "mean (default 8; 0: the means alone, as MoNE)")
-    p.add_argument("--standin-fit", default=None, choices=("skipped", "routed"),
+    p.add_argument("--standin-fit", default=None, choices=STANDIN_FITS,
                    help="with the substitute: how the plan's stand-ins are fitted for shipping, once every choice "
                         "is made: skipped, on the slots the plan skips, weighted by gate^2, on the inputs the plan "
                         "gives each layer (default); routed, on every token routed to the expert, the full model's "
