@@ -324,6 +324,10 @@ class Driver:
                       disable_log_stats=False)       # per-request timestamps in the outputs (see measure)
         if spec["device"] == "cuda":
             kwargs["gpu_memory_utilization"] = spec["gpu_memory_utilization"]
+        else:
+            from allocmoe.integrations.vllm_cpu import cpu_engine_kwargs
+
+            kwargs.update(cpu_engine_kwargs(spec["model"], spec["dtype"]))
         try:
             llm = LLM(**kwargs)
         except BaseException as exc:     # noqa: BLE001 - a refusal is a row, not the end of the run

@@ -72,8 +72,11 @@ def main() -> None:
     requests = json.load(open(requests_file))
     if "--cost-clock" in sys.argv:
         install_cost_clock(*map(float, sys.argv[sys.argv.index("--cost-clock") + 1].split(",")))
+    from allocmoe.integrations.vllm_cpu import cpu_engine_kwargs
+
     llm = LLM(model=model_dir, dtype="float32", max_model_len=256, max_num_seqs=16, seed=0,
-              enforce_eager=not compiled, hf_overrides=overrides, tensor_parallel_size=tp)
+              enforce_eager=not compiled, hf_overrides=overrides, tensor_parallel_size=tp,
+              **cpu_engine_kwargs(model_dir, "float32"))
     prompts = [TokensPrompt(prompt_token_ids=r["prompt_ids"]) for r in requests]
     params = [SamplingParams(temperature=0, max_tokens=r["max_tokens"], ignore_eos=True, logprobs=5,
                              extra_args={**({"allocmoe_plan": r["plan"]} if r.get("plan") else {}),
