@@ -109,6 +109,38 @@ def budget_sensitive_tiny(tiny_folder, model_type: str):
     return model, tok, text[:20000]
 
 
+def windows_ppl(model, plan, windows, batch: int = 4) -> float:
+    """`plan`'s perplexity on token `windows` [N, S], as one pass."""
+    from allocmoe import apply_plan, evaluate_perplexity
+
+    with apply_plan(model, plan):
+        return evaluate_perplexity(model, None, "", {"windows_per_pass": batch, "progress": False},
+                                   windows=windows).perplexity
+
+
+def two_fold_ppl(model, plan, windows, rank: int, batch: int = 4) -> float:
+    """Brute force for cross-fitting's score (calibrate/crossfit.py): `plan`'s perplexity over every token
+    of the calibration `windows`, the odd windows scored with stand-ins of `rank` fitted by the test on
+    the even ones, the even windows with those fitted on the odd ones, on the plan's stand-in layers;
+    a plan without stand-ins on all the windows in their order (Alloc-T's pool shares k in a batch)."""
+    import math
+    from dataclasses import replace
+
+    from allocmoe.calibrate.means import measure_expert_means
+
+    if plan.means is None:
+        return windows_ppl(model, plan, windows, batch)
+    layers = sorted(plan.means.means)
+    even, odd = windows[0::2], windows[1::2]
+    nll = tokens = 0.0
+    for fitted, scored in ((even, odd), (odd, even)):
+        means = measure_expert_means(model, fitted, batch, rank=rank).restricted(layers)
+        count = scored.numel() - scored.size(0)
+        nll += count * math.log(windows_ppl(model, replace(plan, means=means), scored, batch))
+        tokens += count
+    return math.exp(nll / tokens)
+
+
 def train_tiny_tokenizer(folder, vocab_size: int = 300):
     """A byte-level BPE trained in a second on the built-in calibration text."""
     from tokenizers import ByteLevelBPETokenizer

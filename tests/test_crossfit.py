@@ -1,5 +1,6 @@
-"""Cross-fitting (calibrate/crossfit.py): the stand-ins are fitted on the even calibration windows, every
-choice is scored on the odd ones, and the plan returned carries stand-ins refitted on all of them."""
+"""Cross-fitting (calibrate/crossfit.py): every choice scores each calibration window with stand-ins fitted
+on the other half (two folds: even and odd windows), and the plan returned carries stand-ins refitted
+on all of them."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity
 from allocmoe.calibrate import methods
-from allocmoe.calibrate.crossfit import split_windows
+from allocmoe.calibrate.crossfit import SPLIT, split_windows
 from allocmoe.calibrate.means import fit_skipped_standins, measure_expert_means
 from allocmoe.scoring.perplexity import tokenize_windows
 
@@ -47,16 +48,19 @@ def test_the_split_alternates_windows_and_refuses_fewer_than_two():
 
 
 def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
-    """Built so the stand-ins over-fit: the fit windows are one window of the text four times over, the
-    choose windows four others. auto's choice is the trial that brute force finds best on the choose
-    windows with stand-ins fitted (here, by the test) on the fit windows; scored on the fit windows
-    instead, in sample, the same trials would pick another, which is worse on the choose windows."""
+    """Built so the stand-ins over-fit: the even windows are one window of the text four times over, the
+    odd windows four others. auto scores each trial on every token, each half with stand-ins fitted (here,
+    by the test) on the other half, and chooses the best so; scored on the text the stand-ins were fitted
+    on instead (the even windows, with the even windows' stand-ins), the same trials would pick another,
+    which is worse held out."""
+    from conftest import two_fold_ppl
+
     from allocmoe.calibrate.profile import profile_sensitivity
 
     model, tok, text = tiny
     windows = tokenize_windows(tok, text, 64, 64 * 8)
-    fit, choose = windows[0:1].repeat(4, 1), windows[4:8]
-    calibration = torch.stack([w for pair in zip(fit, choose) for w in pair])        # fit, choose, fit, ...
+    even, odd = windows[0:1].repeat(4, 1), windows[4:8]
+    calibration = torch.stack([w for pair in zip(even, odd) for w in pair])        # even, odd, even, ...
     monkeypatch.setattr(methods, "_calibration_windows", lambda *args: calibration)
     made, as_scored, scored = [], [], methods._scored
 
@@ -67,34 +71,34 @@ def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
 
     monkeypatch.setattr(methods, "_scored", spy)
     profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
-    plan = allocate(9, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
+    plan = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
                     config={"seq_len": 64, "calib_tokens": 512, "progress": False, "refine": 0,
-                            "substitute_rank": RANK})
-    fit_means = measure_expert_means(model, fit, 4, rank=RANK)
-    held_out, in_sample = [], []
+                            "substitute_rank": 1})     # cheap stand-ins: auto has trials with them at B 6
+    even_means = measure_expert_means(model, even, 4, rank=1)
+    scores, in_sample = [], []
     for trial, mine in zip(made, as_scored):           # brute force, the test's own means and scores
         if mine.means is not None:
-            assert equal_means(mine.means, fit_means.restricted(sorted(mine.means.means)))
-        held_out.append(ppl(model, mine, choose))
-        in_sample.append(ppl(model, mine, fit))
-        assert trial["calibration_perplexity"] == pytest.approx(held_out[-1], rel=1e-6)
+            assert equal_means(mine.means, even_means.restricted(sorted(mine.means.means)))
+        scores.append(two_fold_ppl(model, mine, calibration, rank=1))
+        in_sample.append(ppl(model, mine, even))        # the trials carry the even windows' stand-ins
+        assert trial["calibration_perplexity"] == pytest.approx(scores[-1], rel=1e-6)
     assert len(made) == 18 and {t["substitute"] for t in made} == {True, False}
     chosen = plan.provenance["details"]["chosen"]
-    best = min(range(len(made)), key=held_out.__getitem__)
-    assert held_out[made.index(next(t for t in made if all(t.get(k) == v for k, v in chosen.items())))] == min(held_out)
+    best = min(range(len(made)), key=scores.__getitem__)
+    assert scores[made.index(next(t for t in made if all(t.get(k) == v for k, v in chosen.items())))] == min(scores)
     assert chosen["substitute"] == made[best]["substitute"] and chosen["method"] == made[best]["method"]
     fitted_text_pick = min(range(len(made)), key=in_sample.__getitem__)
-    assert held_out[fitted_text_pick] > min(held_out) + 0.5                # a different, worse choice
-    assert plan.provenance["cross_fit"] == {"split": "alternate windows: even-numbered fit the stand-ins, "
-                                                     "odd-numbered choose", "fit_windows": 4, "choose_windows": 4,
-                                            "fit_tokens": 256, "choose_scored_tokens": 252,
-                                            "final_means_windows": 8, "final_means_tokens": 512}
-    assert plan.means is not None                       # the plan returned: stand-ins fitted on all 8 windows,
-    everything = measure_expert_means(model, calibration, 4, rank=RANK)      # then on the slots the plan skips
-    shipped = fit_skipped_standins(model, calibration, replace(plan, means=everything.restricted(sorted(plan.means.means))))
+    assert scores[fitted_text_pick] > min(scores) + 0.5                # a different, worse choice
+    provenance = {"split": SPLIT, "even_windows": 4, "odd_windows": 4, "window_tokens": 64, "scored_tokens": 504}
+    assert plan.cost()["total"] <= 6 + 1e-9
+    if not made[best]["substitute"]:                    # nothing to refit (the final fit: the next test)
+        assert plan.means is None and plan.provenance["cross_fit"] == provenance
+        return
+    assert plan.provenance["cross_fit"] == {**provenance, "final_means_windows": 8, "final_means_tokens": 512}
+    every_means = measure_expert_means(model, calibration, 4, rank=1)   # the plan returned: stand-ins fitted
+    shipped = fit_skipped_standins(model, calibration,                  # on all 8 windows, then on the slots
+                                   replace(plan, means=every_means.restricted(sorted(plan.means.means))))  # it skips
     assert equal_means(plan.means, shipped)
-    assert not equal_means(plan.means, fit_means.restricted(sorted(plan.means.means)))
-    assert plan.cost()["total"] <= 9 + 1e-9
 
 
 def test_the_final_means_are_fitted_on_every_window_and_cost_what_the_chosen_ones_did(tiny):
@@ -152,7 +156,7 @@ def test_a_refinement_partial_file_scored_in_sample_is_not_resumed(tiny_folder, 
         old_key = {k: v for k, v in seen["key"].items() if k != "scored_on"}
         partial.write_text(json.dumps({"key": old_key, "scores": {"1:1,2:1,3:1": 1.0}}))
         main(argv)
-    assert seen["key"]["scored_on"].startswith("alternate windows") and seen["resumed"] == {}
+    assert seen["key"]["scored_on"] == SPLIT and seen["resumed"] == {}
     partial.write_text(json.dumps({"key": seen["key"], "scores": {"1:1,2:1,3:1": 1.0}}))
     with mock.patch.object(refine.SavedScores, "__init__", spy):
         main(argv)                                      # the same key, by contrast, is resumed from

@@ -4,7 +4,7 @@ B - cost, each layer's raised k = k + r / (1 - u), the cost after it, and the ch
 import pytest
 import torch
 
-from allocmoe import AllocT, Plan, StaticTopK, allocate, apply_plan, evaluate_perplexity
+from allocmoe import AllocT, Plan, StaticTopK, allocate
 from allocmoe.calibrate.refine import MIN_REMAINDER, fill_remainder
 from allocmoe.core.means import ExpertMeans
 
@@ -42,6 +42,16 @@ def test_the_remainder_goes_to_the_layer_where_it_helps_most_and_the_cost_reache
     assert filled.cost()["total"] == pytest.approx(8.0) and filled.cost()["total"] <= 8.0 + 1e-9
 
 
+def test_a_start_score_given_by_the_caller_saves_the_plans_own_pass():
+    plan = plan_of([4, 1, 1, 1])
+    calls = []
+    filled, record = fill_remainder(plan, lambda p: calls.append(p) or made_up_ppl(p), 8.0, start=made_up_ppl(plan))
+    assert len(calls) == 3 and plan not in calls and record["layer"] == 3
+    assert record["start_calibration_perplexity"] == pytest.approx(made_up_ppl(plan))
+    kept, record = fill_remainder(plan, made_up_ppl, 8.0, start=0.0)      # nothing beats a start of 0
+    assert kept is plan and "layer" not in record
+
+
 def test_nothing_is_taken_where_no_trial_beats_the_plan_or_the_remainder_is_too_small():
     plan = plan_of([4, 1, 1, 1])
     filled, record = fill_remainder(plan, lambda p: 100.0 if p is plan else 101.0, 8.0)
@@ -51,12 +61,10 @@ def test_nothing_is_taken_where_no_trial_beats_the_plan_or_the_remainder_is_too_
     assert filled is plan and not calls and "tried" not in record
 
 
-def test_auto_spends_the_remainder_on_the_choose_windows_within_b(tiny_folder):
+def test_auto_spends_the_remainder_cross_fitted_within_b(tiny_folder):
     """On a tiny model, auto's plan costs at most B; where a layer was raised, its recorded score is the
-    plan's perplexity on the choose windows with the stand-ins the trials were scored with."""
-    from allocmoe.calibrate.crossfit import split_windows
-    from conftest import budget_sensitive_tiny
-    from allocmoe.calibrate.means import measure_expert_means
+    plan's cross-fitted calibration perplexity (two folds, brute force), as every trial's was."""
+    from conftest import budget_sensitive_tiny, two_fold_ppl
     from allocmoe.calibrate.profile import profile_sensitivity
     from allocmoe.scoring.perplexity import tokenize_windows
 
@@ -64,7 +72,7 @@ def test_auto_spends_the_remainder_on_the_choose_windows_within_b(tiny_folder):
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "refine": 0,
               "substitute_rank": 2}
     profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
-    fit, choose = split_windows(tokenize_windows(tok, text, 64, 512))
+    windows = tokenize_windows(tok, text, 64, 512)
     taken = 0
     for budget in (5, 7, 9):
         plan = allocate(budget, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text, config=config)
@@ -72,12 +80,10 @@ def test_auto_spends_the_remainder_on_the_choose_windows_within_b(tiny_folder):
         assert plan.cost()["total"] <= budget + 1e-9
         if "layer" in record:
             taken += 1
-            as_scored = Plan(**{**plan.__dict__})
-            if plan.means is not None:
-                as_scored.means = measure_expert_means(model, fit, 4, rank=2).restricted(sorted(plan.means.means))
-            with apply_plan(model, as_scored):
-                got = evaluate_perplexity(model, None, "", {"windows_per_pass": 4, "progress": False},
-                                          windows=choose).perplexity
-            assert got == pytest.approx(record["calibration_perplexity"], rel=1e-6)
+            assert two_fold_ppl(model, plan, windows, rank=2) == pytest.approx(record["calibration_perplexity"],
+                                                                              rel=1e-6)
             assert record["calibration_perplexity"] < record["start_calibration_perplexity"]
+        trials = plan.provenance["details"]["trials"]      # refine 0: the start is the chosen trial's score
+        if "tried" in record:
+            assert record["start_calibration_perplexity"] == min(t["calibration_perplexity"] for t in trials)
     assert taken                                       # at least one budget left a remainder worth spending

@@ -3,7 +3,6 @@ the search ends where no single move helps (checked by brute force), and an inte
 
 from __future__ import annotations
 
-import copy
 import itertools
 import json
 
@@ -14,6 +13,7 @@ import pytest
 from allocmoe import AllocMoeError, AllocT, Plan, StaticTopK, allocate, apply_plan, evaluate_perplexity
 from allocmoe.calibrate.refine import SavedScores, refine_allocation
 from allocmoe.cli import main
+from conftest import two_fold_ppl, windows_ppl
 
 LAYERS, K_ORIG = [1, 2, 3, 4], 4
 
@@ -103,18 +103,12 @@ def calib_ppl(model, tok, text, plan):
 
 
 def split_calibration(tok, text):
-    """The tiny runs' calibration windows (seq_len 64, 512 tokens: 8) and their (fit, choose) split."""
+    """The tiny runs' calibration windows (seq_len 64, 512 tokens: 8) and their (even, odd) halves."""
     from allocmoe.calibrate.crossfit import split_windows
     from allocmoe.scoring.perplexity import tokenize_windows
 
     windows = tokenize_windows(tok, text, 64, 512)
     return (windows, *split_windows(windows))
-
-
-def windows_ppl(model, plan, windows):
-    with apply_plan(model, plan):
-        return evaluate_perplexity(model, None, "", {"windows_per_pass": 4, "progress": False},
-                                   windows=windows).perplexity
 
 
 def same_means(a, b):
@@ -128,8 +122,8 @@ def same_means(a, b):
 def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_score_worse(tiny):
     """The stand-ins are paid from B (core/budget.py): at rank 2 each costs u = (2*32*2 + 32) / (3*32*16 + 32)
     of an expert on this model (H 32, I 16), so B = 9 of 12 leaves a = floor((9 - 12 u) / (1 - u)) = 8.
-    Cross-fitted: the refinement scores on the choose windows with stand-ins fitted on the fit windows, and
-    the plan returned carries stand-ins refitted on all of them."""
+    Cross-fitted: the refinement scores every calibration window with stand-ins fitted on the other half
+    (two folds), and the plan returned carries stand-ins refitted on all of them."""
     from allocmoe.calibrate.means import measure_expert_means
 
     model, tok, text = tiny
@@ -140,27 +134,27 @@ def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_s
     plain = allocate(activations, "uniform", model=model, config=config)
     plan = allocate(9, "uniform", model=model, tokenizer=tok, calib_text=text,
                     config={**config, "substitute": True, "substitute_rank": 2, "refine": 12, "standin_fit": "routed"})
-    windows, fit, choose = split_calibration(tok, text)
-    fit_means, all_means = (measure_expert_means(model, w, 4, rank=2) for w in (fit, windows))
+    windows, even, _ = split_calibration(tok, text)
+    even_means, all_means = (measure_expert_means(model, w, 4, rank=2) for w in (even, windows))
     assert plan.means is not None and same_means(plan.means, all_means)
-    assert plan.provenance["cross_fit"]["fit_windows"] == 4 and plan.provenance["cross_fit"]["choose_windows"] == 4
+    assert plan.provenance["cross_fit"]["even_windows"] == 4 and plan.provenance["cross_fit"]["odd_windows"] == 4
     _, spent = calib_ppl(model, tok, text, plan)
     start = made = plan.provenance["details"]["refine"]
     assert spent == pytest.approx(activations) and sum(p.k for p in plan.layers.values()) == activations
     assert plan.cost()["total"] == pytest.approx(activations + (12 - activations) * u) and plan.cost()["total"] <= 9
     chosen = allocate(activations, "uniform", model=model, config=config)
     chosen.layers = dict(plan.layers)
-    chosen.means = fit_means                        # what the refinement scored: fit-window stand-ins, choose windows
-    assert made["calibration_perplexity"] == pytest.approx(windows_ppl(model, chosen, choose), rel=1e-6)
+    chosen.means = even_means                       # stand-ins on every layer: the folds' means replace these
+    assert made["calibration_perplexity"] == pytest.approx(two_fold_ppl(model, chosen, windows, rank=2), rel=1e-6)
     assert made["calibration_perplexity"] <= start["start_calibration_perplexity"]
     plain_with_means = allocate(activations, "uniform", model=model, config=config)
-    plain_with_means.means = fit_means
-    assert start["start_calibration_perplexity"] == pytest.approx(windows_ppl(model, plain_with_means, choose))
-    assert windows_ppl(model, plain, choose) != pytest.approx(start["start_calibration_perplexity"])
+    plain_with_means.means = even_means
+    assert start["start_calibration_perplexity"] == pytest.approx(two_fold_ppl(model, plain_with_means, windows, rank=2))
+    assert windows_ppl(model, plain, windows) != pytest.approx(start["start_calibration_perplexity"])
 
 
 def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(tiny):
-    """Every choice on the choose windows, the plan returned with stand-ins fitted on all the windows."""
+    """Every choice cross-fitted (two folds), the plan returned with stand-ins fitted on all the windows."""
     from allocmoe.calibrate.means import measure_expert_means
 
     model, tok, text = tiny
@@ -178,16 +172,12 @@ def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(t
     best = min(t["calibration_perplexity"] for t in trials)
     assert details["refine"]["start_calibration_perplexity"] == pytest.approx(best)
     assert (plan.means is not None) == details["chosen"]["substitute"]
-    windows, fit, choose = split_calibration(tok, text)
+    windows, _, _ = split_calibration(tok, text)
     if plan.means is not None:                     # refitted on all the windows, on the chosen layers
         all_means = measure_expert_means(model, windows, 4, rank=2).restricted(sorted(plan.means.means))
         assert same_means(plan.means, all_means)
-        as_chosen = copy.copy(plan)
-        as_chosen.means = measure_expert_means(model, fit, 4, rank=2).restricted(sorted(plan.means.means))
-    else:
-        as_chosen = plan
-    assert windows_ppl(model, as_chosen, choose) == pytest.approx(details["refine"]["calibration_perplexity"],
-                                                                  rel=1e-6)
+    assert two_fold_ppl(model, plan, windows, rank=2) == pytest.approx(details["refine"]["calibration_perplexity"],
+                                                                      rel=1e-6)
     off = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
                    config={**config, "substitute": False, "refine": 0})
     assert off.means is None and "refine" not in off.provenance["details"] and "cross_fit" not in off.provenance

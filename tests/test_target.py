@@ -115,9 +115,11 @@ def _judged(model, plan, windows) -> float:
 def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(tiny):
     """Budgets are total cost (activations plus stand-ins): with rank-2 stand-ins on every layer (u = 0.10
     of an expert each) one expert per layer costs 3.92, so the search runs over 4..12. Brute force: each
-    budget's plan, its stand-ins fitted on the fit windows, scored on the choose windows; the target is
-    set where that curve crosses it once, so the smallest budget meeting it is the bisection's answer."""
-    from allocmoe.calibrate.crossfit import split_windows
+    budget's plan scored cross-fitted (each half of the windows with stand-ins fitted on the other); the
+    target is set where that curve crosses it once, so the smallest budget meeting it is the bisection's
+    answer."""
+    from conftest import two_fold_ppl
+
     from allocmoe.calibrate.means import measure_expert_means
     from allocmoe.core.budget import Budget
     from allocmoe.scoring.perplexity import tokenize_windows
@@ -126,14 +128,11 @@ def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(
     config = {"seq_len": 64, "calib_tokens": 512, "windows_per_pass": 4, "progress": False, "substitute": True,
               "substitute_rank": 2, "standin_fit": "routed"}
     windows = tokenize_windows(tok, text, 64, 512)
-    fit, choose = split_windows(windows)
-    fit_means = measure_expert_means(model, fit, 4, rank=2)
     judged = {}
     for count in range(4, 13):
         plan = allocate(Budget(float(count), 12, 3), "uniform", model=model, tokenizer=tok, calib_text=text,
                         config=config)
-        plan.means = fit_means
-        judged[count] = _judged(model, plan, choose)
+        judged[count] = two_fold_ppl(model, plan, windows, rank=2)
     crossing = [b for b in range(5, 12) if min(judged[c] for c in judged if c < b) > max(judged[c] for c in judged
                                                                                         if c >= b)]
     assert crossing, judged
@@ -143,9 +142,9 @@ def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(
                     config=config)
     found = plan.provenance["target"]
     assert found["budget_found"] == answer == min(b for b in judged if judged[b] <= target) and plan.budget == answer
-    assert found["judged_on"].startswith("choose windows") and found["calibration_tokens"] == 4 * 63
+    assert found["judged_on"].endswith("cross-fitted (calibrate/crossfit.py)") and found["calibration_tokens"] == 8 * 63
     assert found["full_calibration_perplexity"] == pytest.approx(_judged(model, allocate(12, "uniform", model=model),
-                                                                        choose), rel=1e-6)
+                                                                        windows), rel=1e-6)
     assert min(int(b) for b in found["tried"]) == 4
     for budget, ppl in found["tried"].items():
         assert ppl == pytest.approx(judged[int(budget)], rel=1e-5)
@@ -157,8 +156,8 @@ def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(
 
 
 def test_auto_with_a_target_chooses_and_is_judged_on_the_same_held_out_windows(tiny):
-    """auto's stand-ins are fitted on the fit windows; its trials and the target's judging both score on the
-    choose windows, so the budget found is judged by the very score its chosen trial had."""
+    """auto's trials and the target's judging are both cross-fitted the same way (two folds), so the budget
+    found is judged by the very score its chosen trial had."""
     from allocmoe.calibrate.profile import profile_sensitivity
 
     model, tok, text = tiny
@@ -167,16 +166,16 @@ def test_auto_with_a_target_chooses_and_is_judged_on_the_same_held_out_windows(t
                     config={"seq_len": 64, "calib_tokens": 512, "progress": False, "refine": 0,
                             "substitute_rank": 2})
     found = plan.provenance["target"]
-    assert found["budget_found"] == 3 and found["judged_on"].startswith("choose windows")
+    assert found["budget_found"] == 3 and "cross-fitted" in found["judged_on"]
     chosen = min(t["calibration_perplexity"] for t in plan.provenance["details"]["trials"])
     assert found["calibration_perplexity"] == pytest.approx(chosen, rel=1e-6)
     assert found["total_cost"] == pytest.approx(plan.cost()["total"]) and plan.cost()["total"] <= 3 + 1e-9
 
 
 def test_a_target_search_measures_each_windows_means_once_and_gives_the_same_plan(tiny, monkeypatch):
-    """The search makes a plan per budget, each with stand-ins fitted on the same fit windows, then refits
-    on all: two measurements (fit, all), not one per budget plus one. The plan is the one the unmemoised
-    measuring gives (means equal bit for bit); a second allocate() call measures afresh."""
+    """The search makes a plan per budget, each scored with stand-ins fitted on the same two halves, then
+    refits on all: three measurements (even, odd, all), not two per budget plus one. The plan is the one
+    the unmemoised measuring gives (means equal bit for bit); a second allocate() call measures afresh."""
     import allocmoe.calibrate.means as means_module
     from allocmoe.scoring.perplexity import tokenize_windows
 
@@ -192,11 +191,11 @@ def test_a_target_search_measures_each_windows_means_once_and_gives_the_same_pla
     monkeypatch.setattr(means_module, "measure_expert_means", counted)
     plan = allocate(method="uniform", target_ppl="20%", model=model, tokenizer=tok, calib_text=text, config=config)
     assert len(plan.provenance["target"]["tried"]) >= 2
-    assert sorted(calls) == [(4, 64), (8, 64)]
+    assert sorted(calls) == [(4, 64), (4, 64), (8, 64)]
     calls.clear()
     again = allocate(plan.budget / 12, "uniform", model=model, tokenizer=tok, calib_text=text,
                      config={**config, "refine": 1})
-    assert sorted(calls) == [(4, 64), (8, 64)]           # a new call, a new memo: fit windows, then all
+    assert sorted(calls) == [(4, 64), (4, 64), (8, 64)]  # a new call, a new memo: the two halves, then all
     fresh = real(model, tokenize_windows(tok, text, 64, 512), 4, rank=2)
     for p in (plan, again):
         assert all(torch.equal(p.means.means[i], fresh.means[i]) for i in p.means.means)

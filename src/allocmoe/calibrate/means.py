@@ -245,9 +245,9 @@ def _skipped_fit(moments: Moments, plain: ExpertMeans, index: int, rank: int,
 def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int = 4,
                        progress: bool = False) -> tuple[ExpertMeans, dict]:
     """The plan's stand-ins fitted the way that generalises better on this calibration text: both fits
-    (the plain one and `refit_expert_means`) are made on the fit windows of `windows` and scored on the
-    choose windows (calibrate/crossfit.py's split, alternate windows, as every other choice among
-    stand-ins); the winner is then fitted on all of them. Returns (the means, a record of the choice:
+    (the plain one and `refit_expert_means`) are made on the even windows of `windows` and scored on the
+    odd ones (calibrate/crossfit.py's split, alternate windows; one fold, not both, since each fit here
+    is a whole bottom-up pass); the winner is then fitted on all of them. Returns (the means, a record of the choice:
     {"chose": "plain" | "sequential", "held_out": {fit: perplexity}}). The refit won on test text
     where plans cut deep and lost at 5/6 (docs/quality.md), so it is taken only where it wins here
     (on the built-in model the held-out half still chose it at 5/6: a guard, not a cure).

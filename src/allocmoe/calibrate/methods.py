@@ -10,16 +10,16 @@
   naee        per-layer beta_l calibrated so each layer spends B/L on calibration text
   auto        tries alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute,
               on calibration text, keeps the best, refines it, then spends what whole k left of B on the
-              layer where it helps most (the default method); the stand-ins are fitted on half the
-              calibration windows and every choice scored on the other half, then refitted on all of
-              them (calibrate/crossfit.py) and on the slots the plan skips (standin_fit)
+              layer where it helps most (the default method); every choice is scored with stand-ins
+              fitted on the other half of the calibration windows (two folds), then they are refitted
+              on all of them (calibrate/crossfit.py) and on the slots the plan skips (standin_fit)
 
 Two add-ons work with any budget-exact method, and `auto` uses both by default (docs/quality.md):
   substitute  each skipped candidate expert adds gate x a stand-in for its output: its calibrated mean
               (MoNE) plus a rank-r least-squares linear term in the token (substitute_rank, default 8),
               measured on the unmodified model and saved beside the plan: calibrate/means.py
   refine      moves activations between layers while calibration perplexity improves (calibrate/refine.py;
-              with the substitute, on the windows its stand-ins were not fitted on)
+              with the substitute, each window scored with stand-ins fitted on the others: calibrate/crossfit.py)
 
 Profile-based methods (alloc-moe, alloc-l) are pure given the profile; the rest of the budget-exact
 methods need only the model's fingerprint, which its config gives: `model` may be a model folder (its
@@ -33,7 +33,7 @@ from __future__ import annotations
 import math
 from contextlib import contextmanager
 from contextvars import ContextVar
-from typing import Any, Iterator, MutableMapping
+from typing import Any, Callable, Iterator, MutableMapping
 
 import torch
 from tqdm import tqdm
@@ -47,7 +47,7 @@ from ..core.plan import Plan, check_fingerprint
 from ..routing.layout import expert_weights, model_fingerprint, standin_costs
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
-from .crossfit import cross_fit_provenance, refit, split_windows
+from .crossfit import cross_fit_provenance, held_out_perplexity, refit, split_windows
 
 PROFILE_METHODS = ("alloc-moe", "alloc-l")
 MODEL_METHODS = ("lexi", "top-p", "naee", "auto")
@@ -369,8 +369,9 @@ def _allocate_checked(budget, method: str, profile, model, tokenizer, calib_text
                       refine_memo=None, held_out: bool = False) -> Plan:
     """`method`'s plan for `budget`, once allocate's checks passed. Stand-ins that something is chosen
     with (auto's trials, a refinement; with `held_out`, the caller's own judging, a target's search) are
-    fitted on the fit windows and the choices scored on the choose windows (calibrate/crossfit.py); the
-    plan then records the split, and _refitted refits its stand-ins on all the windows."""
+    cross-fitted: the plan carries those fitted on the even windows, and every choice is scored by
+    `_judge` (calibrate/crossfit.py); the plan then records the split, and _refitted refits its
+    stand-ins on all the windows."""
     substitute, refine = addons(method, config)
     fingerprint = _fingerprint(profile, model)
     if method == "auto":
@@ -380,8 +381,10 @@ def _allocate_checked(budget, method: str, profile, model, tokenizer, calib_text
                      refine_memo)
     if not substitute:          # nothing fitted: the refinement chooses on every window
         plan = _allocate_plain(budget, method, profile, model, tokenizer, calib_text, config)
-        return _refined(plan, model, _calibration_windows(model, tokenizer, calib_text, config), config, refine,
-                        refine_memo) if refine else plan
+        if not refine:
+            return plan
+        judge = _judge(model, _calibration_windows(model, tokenizer, calib_text, config), config, None)
+        return _refined(plan, judge, config, refine, refine_memo)
     # the stand-ins are paid from the same budget: the activations get what they leave (core/budget.py)
     parsed = budget if isinstance(budget, Budget) else Budget.parse(budget, fingerprint["num_moe_layers"],
                                                                     fingerprint["k_orig"])
@@ -390,17 +393,19 @@ def _allocate_checked(budget, method: str, profile, model, tokenizer, calib_text
     plan.budget = parsed.activations_per_token
     windows = _calibration_windows(model, tokenizer, calib_text, config)
     chooses = bool(refine) or held_out
-    fit, choose = split_windows(windows) if chooses else (windows, windows)
-    plan.means = _measure_means(model, fit, config)
+    plan.means = _fold_means(model, windows, config)[0] if chooses else _measure_means(model, windows, config)
     plan.standins = standin_costs(model, plan.means)
     if chooses:
         plan.provenance = {**plan.provenance, "cross_fit": cross_fit_provenance(windows)}
-    return _refined(plan, model, choose, config, refine, refine_memo) if refine else plan
+    if not refine:
+        return plan
+    return _refined(plan, _judge(model, windows, config, _fold_means(model, windows, config)), config, refine,
+                    refine_memo)
 
 
 def _refitted(plan: Plan, model, tokenizer, calib_text, config: AllocateConfig) -> Plan:
     """`plan` with its stand-ins fitted for shipping, on all the calibration windows, for the same layers at
-    the same cost: where they were fitted on the fit windows alone, refitted on all of them (calibrate/
+    the same cost: where they were fitted on half the windows (cross-fitting), refitted on all of them (calibrate/
     crossfit.py refit); then, with standin_fit "skipped", refitted on the slots the plan skips
     (calibrate/means.py fit_skipped_standins). The choices made stand: neither fit chooses anything."""
     if plan.means is None:
@@ -493,6 +498,23 @@ def _calib_ppl(model, plan: Plan, windows, config: AllocateConfig) -> float:
                                    windows=windows).perplexity
 
 
+def _judge(model, windows, config: AllocateConfig, fold_means: tuple | None) -> Callable[[Plan], float]:
+    """How every choice scores a plan: its perplexity on all calibration `windows`, each window scored
+    with stand-ins fitted on the other half where the plan carries them (`fold_means`, from _fold_means;
+    calibrate/crossfit.py held_out_perplexity). None: nothing fitted, all windows at once."""
+    def perplexity(plan: Plan, scored) -> float:
+        return _calib_ppl(model, plan, scored, config)
+
+    if fold_means is None:
+        return lambda plan: perplexity(plan, windows)
+    return lambda plan: held_out_perplexity(plan, fold_means, windows, perplexity)
+
+
+def _fold_means(model, windows, config: AllocateConfig) -> tuple:
+    """(stand-ins fitted on the even calibration windows, on the odd ones): the two folds (calibrate/crossfit.py)."""
+    return tuple(_measure_means(model, part, config) for part in split_windows(windows))
+
+
 def standin_per_slot(model, config: AllocateConfig) -> float:
     """What one of `config`'s stand-ins (rank substitute_rank) costs per skipped slot on `model`, in
     activation-equivalents (core/budget.py)."""
@@ -514,13 +536,13 @@ def _measure_means(model, windows, config: AllocateConfig):
     return means
 
 
-def _refined(plan: Plan, model, windows, config: AllocateConfig, passes: int, memo) -> Plan:
+def _refined(plan: Plan, judge: Callable[[Plan], float], config: AllocateConfig, passes: int, memo) -> Plan:
     from .refine import refine_allocation
 
     def fits(ks: dict[int, float]) -> bool:       # a move between layers with and without stand-ins changes the cost
         return sum(plan_costs(ks, plan.k_orig, plan.standins or {}).values()) <= plan.budget + 1e-9
 
-    refined, done = refine_allocation(plan, lambda p: _calib_ppl(model, p, windows, config), passes,
+    refined, done = refine_allocation(plan, judge, passes,
                                       config.k_base, memo=memo, progress=config.progress, fits=fits)
     refined.provenance = {**plan.provenance, "details": {**plan.provenance.get("details", {}), "refine": done}}
     return refined
@@ -570,8 +592,8 @@ def _allocate_plain(budget, method: str, profile, model, tokenizer, calib_text, 
 def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, calib_text,
                          config: AllocateConfig) -> Plan:
     """Bisect over whole total budgets (activations plus stand-ins, core/budget.py) for the smallest whose
-    `method` plan meets the target on the judging windows: the choose windows where the plans carry
-    stand-ins (fitted on the fit windows), else all of them (calibrate/target.py)."""
+    `method` plan meets the target on the calibration windows, cross-fitted where the plans carry
+    stand-ins (calibrate/crossfit.py, calibrate/target.py)."""
     from .target import parse_target, smallest_budget, target_provenance
 
     if model is None:
@@ -579,13 +601,13 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
                             "pass model=, tokenizer= and calib_text=")
     windows = _calibration_windows(model, tokenizer, calib_text, config)
     fitted = addons(method, config)[0]            # stand-ins: judged on text they were not fitted on
-    judge = split_windows(windows)[1] if fitted else windows
     score = {"windows_per_pass": config.windows_per_pass, "progress": False}
-    full_ppl = evaluate_perplexity(model, None, "", score, windows=judge).perplexity
+    full_ppl = evaluate_perplexity(model, None, "", score, windows=windows).perplexity
     target = parse_target(target_ppl, full_ppl)
     fingerprint = _fingerprint(profile, model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     inner = replaced(config, progress=False)          # one bar for the search, none per step
+    judge = _judge(model, windows, inner, _fold_means(model, windows, inner) if fitted else None)
     plans: dict[int, Plan] = {}
     steps = max(1, math.ceil(math.log2(num_layers * (k_orig - 1) + 1))) + 1
     bar = tqdm(total=steps, desc=f"target ppl {target:.4g}", unit="budget", disable=not config.progress)
@@ -597,7 +619,7 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
 
     def ppl_at(count: int) -> float:
         plans[count] = plan_at(count)
-        return _calib_ppl(model, plans[count], judge, inner)
+        return judge(plans[count])
 
     least = None
     if fitted and method != "auto":     # stand-ins on every layer: one expert each must fit
@@ -610,30 +632,33 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
         bar.close()
     plan = _refitted(plans.get(found) or plan_at(found), model, tokenizer, calib_text, inner)
     plan.provenance = {**plan.provenance, "target": target_provenance(
-        target_ppl, target, full_ppl, found, tried, int(judge.numel() - judge.size(0)), plan.cost(),
-        "choose windows (calibrate/crossfit.py)" if fitted else "all calibration windows")}
+        target_ppl, target, full_ppl, found, tried, int(windows.numel() - windows.size(0)), plan.cost(),
+        "all calibration windows, cross-fitted (calibrate/crossfit.py)" if fitted else "all calibration windows")}
     return plan
 
 
 def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refine_memo=None) -> Plan:
     """Try alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute (its
     stand-ins paid from B), and the (k, stand-in) DP's allocation as alloc-l and alloc-moe; keep the
-    best, then refine it. With stand-ins, cross-fitted (calibrate/crossfit.py): they are fitted on the
-    fit windows, and every choice (trial, menu, move) is scored on the choose windows."""
+    best, then refine it. With stand-ins, cross-fitted (calibrate/crossfit.py): every choice (trial,
+    move, remainder) is scored by `_judge`, each window with stand-ins fitted on the other half; the
+    (k, stand-in) menu's profile is measured on the odd windows with those fitted on the even ones."""
     substitute, refine = addons("auto", config)
     candidates = [("alloc-l", None)]
     for k_base in sorted({0, 1, 2, config.k_base}):
         if k_base <= budget.per_layer:
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
-    fit, choose = split_windows(windows) if substitute else (windows, windows)
-    means = _measure_means(model, fit, config) if substitute else None
+    fold_means = _fold_means(model, windows, config) if substitute else None
+    means = fold_means[0] if substitute else None       # the plans carry fold 1's; the judge swaps per fold
+    judge = _judge(model, windows, config, fold_means)
     made = _auto_trials(budget, profile, model, config, means, candidates)
     if means is not None and config.substitute is None:       # where stand-ins are worth their cost, per layer
         made += [{"method": method, "k_base": k_base, "substitute": plan.means is not None, "menu": "k x stand-in",
                   "k_per_layer": [p.k for _, p in sorted(plan.layers.items())],
                   "standin_layers": sorted(plan.standins), "plan": plan}
-                 for method, k_base, plan in _menu_trials(budget, model, choose, config, means, candidates)]
-    trials = _scored(made, model, choose, config)
+                 for method, k_base, plan in _menu_trials(budget, model, split_windows(windows)[1], config, means,
+                                                          candidates)]
+    trials = _scored(made, judge, config)
     best = min(trials, key=lambda t: t["calibration_perplexity"])
     plan = best["plan"]
     plan.method = "auto"
@@ -644,17 +669,20 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
     if refine:
         chosen_config = AllocateConfig(**{**config.model_dump(), "k_base": config.k_base if best["k_base"] is None
                                           else best["k_base"]})
-        plan = _refined(plan, model, choose, chosen_config, refine, refine_memo)
-    return _filled(plan, model, choose, config, budget)
+        plan = _refined(plan, judge, chosen_config, refine, refine_memo)
+    scored = plan.provenance["details"].get("refine", best)        # the plan's own score, already taken
+    return _filled(plan, judge, config, budget, scored["calibration_perplexity"])
 
 
-def _filled(plan: Plan, model, windows, config: AllocateConfig, budget: Budget) -> Plan:
-    """auto's plan with the budget whole k left given to the layer where it helps most on `windows`
-    (calibrate/refine.py fill_remainder); provenance.details.remainder says what was tried."""
+def _filled(plan: Plan, judge: Callable[[Plan], float], config: AllocateConfig, budget: Budget,
+            start: float) -> Plan:
+    """auto's plan (scored `start` by `judge`) with the budget whole k left given to the layer where it
+    helps most by `judge` (calibrate/refine.py fill_remainder); provenance.details.remainder says what
+    was tried."""
     from .refine import fill_remainder
 
-    filled, record = fill_remainder(plan, lambda p: _calib_ppl(model, p, windows, config),
-                                    budget.activations_per_token, config.pool, config.progress)
+    filled, record = fill_remainder(plan, judge, budget.activations_per_token, config.pool, config.progress,
+                                    start=start)
     filled.provenance = {**plan.provenance, "details": {**plan.provenance.get("details", {}), "remainder": record}}
     return filled
 
@@ -685,14 +713,14 @@ def _auto_trials(budget: Budget, profile, model, config: AllocateConfig, means, 
     return made
 
 
-def _scored(trials: list[dict], model, windows, config: AllocateConfig) -> list[dict]:
-    """auto's trials, each with its calibration perplexity (a bar over them)."""
+def _scored(trials: list[dict], judge: Callable[[Plan], float], config: AllocateConfig) -> list[dict]:
+    """auto's trials, each with its calibration perplexity by `judge` (a bar over them)."""
     with tqdm(total=len(trials), desc="auto", unit="trial", disable=not config.progress) as bar:
         for trial in trials:
             bar.set_postfix_str(trial["method"] + (f" k_base={trial['k_base']}" if trial["k_base"] is not None else "")
                                 + (" +substitute" if trial["substitute"] else "")
                                 + (" (k x stand-in)" if "menu" in trial else ""))
-            trial["calibration_perplexity"] = round(_calib_ppl(model, trial["plan"], windows, config), 6)
+            trial["calibration_perplexity"] = round(judge(trial["plan"]), 6)
             bar.update(1)
     return trials
 

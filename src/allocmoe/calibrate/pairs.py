@@ -11,8 +11,9 @@ Both tables come from the same calibration windows, through the same cells code 
 as the profile is: each cell starts from the held states of its first reduced layer). Cells that
 coincide run once: (i, K_orig) with a stand-in is (i, K_orig) without it (nothing is skipped) and
 (i, K_orig) is (i + 1, 1): L*K - (L-1) plain cells and L*(K-1) with a stand-in. `auto` measures it on
-the choose windows of its calibration split, the means fitted on the fit windows (calibrate/crossfit.py),
-so the menu's choice is scored on text the stand-ins were not fitted on. The tables are kept on the
+the odd windows of its calibration split with the means fitted on the even ones (one fold of calibrate/
+crossfit.py), so the menu's proposal rests on text the stand-ins were not fitted on; auto then scores
+that proposal on both folds like every other trial. The tables are kept on the
 model, keyed by the windows, the means themselves (a digest) and the batching, so a sweep's budgets
 measure them once.
 Not resumable and not on Ray or layer by layer (the profile is): a (k, stand-in) profile is one

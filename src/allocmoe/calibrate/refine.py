@@ -105,14 +105,15 @@ MIN_REMAINDER = 0.05     # activation-equivalents: a remainder below this is lef
 
 
 def fill_remainder(plan: Plan, calib_ppl: Callable[[Plan], float], budget: float, pool: str = "batch",
-                   progress: bool = False) -> tuple[Plan, dict]:
+                   progress: bool = False, start: float | None = None) -> tuple[Plan, dict]:
     """Spend what whole k leave of `budget` (B minus the plan's total cost: stand-ins priced per slot
     cannot be bought in whole experts, so a plan of whole k may leave up to a tenth of B). For each
     layer l below K_orig, the plan with l's k raised by r / (1 - u_l) (r the remainder, u_l its
     stand-in's cost per skipped slot, 0 without; capped at K_orig) run as Alloc-T that still gives
     every token its whole k (k_base = floor of the old k): the extra goes to the tokens whose next
     candidate carries most probability. Each is scored by `calib_ppl`; the best is taken if it beats
-    the plan. One pass per layer below K_orig, plus the plan's own. Returns the plan and a record."""
+    the plan. One pass per layer below K_orig, plus the plan's own unless the caller gives it (`start`,
+    its `calib_ppl` score). Returns the plan and a record."""
     standins = plan.standin_costs() or {}
     cost = plan.cost()["total"]
     remainder = budget - cost
@@ -135,7 +136,7 @@ def fill_remainder(plan: Plan, calib_ppl: Callable[[Plan], float], budget: float
     scores = {}
     for index, filled in tqdm(trials.items(), desc="spend the remainder", unit="eval", disable=not progress):
         scores[index] = calib_ppl(filled)
-    start = calib_ppl(plan)
+    start = calib_ppl(plan) if start is None else start
     best = min(scores, key=scores.get)
     record.update(start_calibration_perplexity=round(start, 6),
                   tried={str(i): round(v, 6) for i, v in scores.items()})

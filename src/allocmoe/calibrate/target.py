@@ -10,19 +10,18 @@ stand-ins, up to L*K_orig. The plan returned costs at most the budget found; its
 budget tried with its perplexity (`tried`).
 
 Which windows judge "meets the target": the full model's perplexity (for a relative target) and every
-step's plan are scored on the same windows. For a run whose plans carry stand-ins (`auto` with its
-default substitute, or `--substitute`), those are the choose windows of the cross-fitting split
-(calibrate/crossfit.py: the odd-numbered calibration windows), and each step's stand-ins are fitted
-on the fit windows (the even-numbered) alone: a budget is never judged on text its stand-ins were
-fitted on (auto's own choices within a step use the same choose windows). The plan returned then has
-its stand-ins refitted on all the calibration windows, keeping its layers and cost. A run without
-stand-ins fits nothing, and all the calibration windows judge. The judging windows' scored tokens are
-`calibration_tokens`, and `judged_on` names them.
+step's plan are scored on all the calibration windows. For a run whose plans carry stand-ins (`auto`
+with its default substitute, or `--substitute`), each step's plan is cross-fitted (calibrate/
+crossfit.py): the odd-numbered windows are scored with its stand-ins fitted on the even-numbered, and
+the other way round, so a budget is never judged on text its stand-ins were fitted on (auto's own
+choices within a step are scored the same way). The plan returned then has its stand-ins refitted on
+all the calibration windows, keeping its layers and cost. A run without stand-ins fits nothing and is
+scored on every window at once. The scored tokens are `calibration_tokens`, and `judged_on` names how.
 
 A step costs one calibration pass for the profile-based and budget-only methods (the profile is
 reused), plus a fit pass for the stand-ins; top-p and naee also rerun their calibration pass, lexi
 its L x K deviation passes, and auto its trials, at every step. The target is either relative to the
-full model's perplexity on the judging windows ("5%": at most 1.05 x full) or an absolute perplexity
+full model's perplexity on the calibration windows ("5%": at most 1.05 x full) or an absolute perplexity
 ("157.0"). The full budget is scored as the unmodified model: its plan skips nothing, so even with
 stand-ins it spends all of it on experts (core/budget.py expert_budget gives L*K_orig back).
 

@@ -299,8 +299,8 @@ def _refine_memo(args, config, run: _AllocateRun, profile, name):
 
     if not run.refine or args.target_ppl is not None:
         return None
-    # with stand-ins the moves are scored on the choose windows only (calibrate/crossfit.py): a partial
-    # file from before, scored on every window, has no "scored_on" and is not resumed from
+    # with stand-ins the moves are scored cross-fitted (calibrate/crossfit.py): a partial file from
+    # before, scored another way, has another (or no) "scored_on" and is not resumed from
     scored_on = SPLIT if addons(args.method, config)[0] else "all calibration windows"
     return SavedScores(f"{args.output}.refine.partial.json", {"scored_on": scored_on,
         "model": run.fingerprint, "method": args.method, "budget": args.budget, "k_base": args.k_base,
