@@ -118,25 +118,36 @@ def windows_ppl(model, plan, windows, batch: int = 4) -> float:
                                    windows=windows).perplexity
 
 
-def two_fold_ppl(model, plan, windows, rank: int, batch: int = 4) -> float:
+def fit_at_ranks(model, windows, ranks: dict[int, int], batch: int = 4):
+    """Stand-ins for the layers of `ranks`, each fitted on `windows` at its own rank (0: the mean alone)."""
+    from allocmoe.calibrate.means import measure_expert_means
+    from allocmoe.core.means import ExpertMeans
+
+    means, linear = {}, {}
+    for r in sorted(set(ranks.values())):
+        got = measure_expert_means(model, windows, batch, rank=r, layers=[i for i in ranks if ranks[i] == r])
+        means.update(got.means)
+        linear.update(got.linear or {})
+    return ExpertMeans(means=means, tokens=int(windows.numel()), linear=linear or None)
+
+
+def two_fold_ppl(model, plan, windows, batch: int = 4) -> float:
     """Brute force for cross-fitting's score (calibrate/crossfit.py): `plan`'s perplexity over every token
-    of the calibration `windows`, the odd windows scored with stand-ins of `rank` fitted by the test on
-    the even ones, the even windows with those fitted on the odd ones, on the plan's stand-in layers;
-    a plan without stand-ins on all the windows in their order (Alloc-T's pool shares k in a batch)."""
+    of the calibration `windows`, the odd windows scored with stand-ins fitted by the test on the even
+    ones, the even windows with those fitted on the odd ones, each layer fitted at its own rank in the
+    plan (not cut from a larger fit); a plan without stand-ins on all the windows in their order
+    (Alloc-T's pool shares k in a batch)."""
     import math
     from dataclasses import replace
 
-    from allocmoe.calibrate.means import measure_expert_means
-
     if plan.means is None:
         return windows_ppl(model, plan, windows, batch)
-    layers = sorted(plan.means.means)
     even, odd = windows[0::2], windows[1::2]
     nll = tokens = 0.0
     for fitted, scored in ((even, odd), (odd, even)):
-        means = measure_expert_means(model, fitted, batch, rank=rank).restricted(layers)
+        folded = fit_at_ranks(model, fitted, plan.means.ranks, batch)
         count = scored.numel() - scored.size(0)
-        nll += count * math.log(windows_ppl(model, replace(plan, means=means), scored, batch))
+        nll += count * math.log(windows_ppl(model, replace(plan, means=folded), scored, batch))
         tokens += count
     return math.exp(nll / tokens)
 

@@ -47,14 +47,9 @@ def test_the_split_alternates_windows_and_refuses_fewer_than_two():
         split_windows(windows[:1])
 
 
-def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
-    """Built so the stand-ins over-fit: the even windows are one window of the text four times over, the
-    odd windows four others. auto scores each trial on every token, each half with stand-ins fitted (here,
-    by the test) on the other half, and chooses the best so; scored on the text the stand-ins were fitted
-    on instead (the even windows, with the even windows' stand-ins), the same trials would pick another,
-    which is worse held out."""
-    from conftest import two_fold_ppl
-
+def run_auto(tiny, monkeypatch, budget: float, config: dict):
+    """auto on the over-fitting calibration windows (below), with (each trial, its plan as scored): the
+    even windows are one window of the text four times over, the odd windows four others."""
     from allocmoe.calibrate.profile import profile_sensitivity
 
     model, tok, text = tiny
@@ -71,34 +66,60 @@ def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
 
     monkeypatch.setattr(methods, "_scored", spy)
     profile = profile_sensitivity(model, tok, text, {"seq_len": 64, "calib_tokens": 512, "progress": False})
-    plan = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
-                    config={"seq_len": 64, "calib_tokens": 512, "progress": False, "refine": 0,
-                            "substitute_rank": 1})     # cheap stand-ins: auto has trials with them at B 6
-    even_means = measure_expert_means(model, even, 4, rank=1)
-    scores, in_sample = [], []
-    for trial, mine in zip(made, as_scored):           # brute force, the test's own means and scores
-        if mine.means is not None:
-            assert equal_means(mine.means, even_means.restricted(sorted(mine.means.means)))
-        scores.append(two_fold_ppl(model, mine, calibration, rank=1))
-        in_sample.append(ppl(model, mine, even))        # the trials carry the even windows' stand-ins
+    plan = allocate(budget, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
+                    config={"seq_len": 64, "calib_tokens": 512, "progress": False, "refine": 0, **config})
+    monkeypatch.undo()
+    return plan, made, as_scored, calibration
+
+
+def test_every_trial_is_scored_cross_fitted_and_the_best_so_is_chosen(tiny, monkeypatch):
+    """Each of auto's 18 trials (stand-ins on every layer or none, and the (k, rank) menu's, whose layers
+    carry ranks 0-2 around substitute_rank 1) is scored as brute force scores it: every token, each half
+    of the windows with stand-ins fitted by the test on the other half at the trial's own ranks; auto
+    keeps the best so."""
+    from conftest import fit_at_ranks, two_fold_ppl
+
+    model = tiny[0]
+    plan, made, as_scored, calibration = run_auto(tiny, monkeypatch, 6, {"substitute_rank": 1})
+    scores = []
+    for trial, mine in zip(made, as_scored):
+        if mine.means is not None:                     # fold 1's stand-ins, at the trial's ranks
+            assert equal_means(mine.means, fit_at_ranks(model, calibration[0::2], mine.means.ranks))
+        scores.append(two_fold_ppl(model, mine, calibration))
         assert trial["calibration_perplexity"] == pytest.approx(scores[-1], rel=1e-6)
     assert len(made) == 18 and {t["substitute"] for t in made} == {True, False}
+    assert any(len(set(t["standin_ranks"].values())) > 1 for t in made if t.get("menu"))   # mixed ranks scored
     chosen = plan.provenance["details"]["chosen"]
     best = min(range(len(made)), key=scores.__getitem__)
     assert scores[made.index(next(t for t in made if all(t.get(k) == v for k, v in chosen.items())))] == min(scores)
     assert chosen["substitute"] == made[best]["substitute"] and chosen["method"] == made[best]["method"]
-    fitted_text_pick = min(range(len(made)), key=in_sample.__getitem__)
-    assert scores[fitted_text_pick] > min(scores) + 0.5                # a different, worse choice
     provenance = {"split": SPLIT, "even_windows": 4, "odd_windows": 4, "window_tokens": 64, "scored_tokens": 504}
     assert plan.cost()["total"] <= 6 + 1e-9
-    if not made[best]["substitute"]:                    # nothing to refit (the final fit: the next test)
+    if not made[best]["substitute"]:                    # nothing to refit (the final fit: the next tests)
         assert plan.means is None and plan.provenance["cross_fit"] == provenance
         return
     assert plan.provenance["cross_fit"] == {**provenance, "final_means_windows": 8, "final_means_tokens": 512}
-    every_means = measure_expert_means(model, calibration, 4, rank=1)   # the plan returned: stand-ins fitted
-    shipped = fit_skipped_standins(model, calibration,                  # on all 8 windows, then on the slots
-                                   replace(plan, means=every_means.restricted(sorted(plan.means.means))))  # it skips
-    assert equal_means(plan.means, shipped)
+    every_means = fit_at_ranks(model, calibration, plan.means.ranks)   # the plan returned: stand-ins fitted on
+    shipped = fit_skipped_standins(model, calibration, replace(plan, means=every_means))  # all 8 windows, then on
+    assert equal_means(plan.means, shipped)                            # the slots it skips
+
+
+def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
+    """With stand-ins on (rank 4, B 5: five trials, each with them on every layer), scored on the text
+    they were fitted on (the even windows, one window four times over, with the even windows' stand-ins)
+    the trials would pick one that is 0.5+ worse cross-fitted than the one auto picks."""
+    from conftest import two_fold_ppl
+
+    model = tiny[0]
+    plan, made, as_scored, calibration = run_auto(tiny, monkeypatch, 5, {"substitute_rank": 4, "substitute": True})
+    assert len(made) == 5 and all(t["substitute"] for t in made)
+    scores = [two_fold_ppl(model, mine, calibration) for mine in as_scored]
+    assert [t["calibration_perplexity"] for t in made] == pytest.approx(scores, rel=1e-6)
+    in_sample = [ppl(model, mine, calibration[0::2]) for mine in as_scored]   # the trials carry fold 1's
+    fitted_text_pick = min(range(len(made)), key=in_sample.__getitem__)
+    assert scores[fitted_text_pick] > min(scores) + 0.5                       # a different, worse choice
+    chosen, best = plan.provenance["details"]["chosen"], made[scores.index(min(scores))]
+    assert (chosen["method"], chosen["k_base"]) == (best["method"], best["k_base"])
 
 
 def test_the_final_means_are_fitted_on_every_window_and_cost_what_the_chosen_ones_did(tiny):

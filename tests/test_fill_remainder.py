@@ -80,7 +80,7 @@ def test_auto_spends_the_remainder_cross_fitted_within_b(tiny_folder):
         assert plan.cost()["total"] <= budget + 1e-9
         if "layer" in record:
             taken += 1
-            assert two_fold_ppl(model, plan, windows, rank=2) == pytest.approx(record["calibration_perplexity"],
+            assert two_fold_ppl(model, plan, windows) == pytest.approx(record["calibration_perplexity"],
                                                                               rel=1e-6)
             assert record["calibration_perplexity"] < record["start_calibration_perplexity"]
         trials = plan.provenance["details"]["trials"]      # refine 0: the start is the chosen trial's score

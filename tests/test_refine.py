@@ -145,11 +145,11 @@ def test_on_a_tiny_model_substitute_and_refine_keep_the_budget_exact_and_never_s
     chosen = allocate(activations, "uniform", model=model, config=config)
     chosen.layers = dict(plan.layers)
     chosen.means = even_means                       # stand-ins on every layer: the folds' means replace these
-    assert made["calibration_perplexity"] == pytest.approx(two_fold_ppl(model, chosen, windows, rank=2), rel=1e-6)
+    assert made["calibration_perplexity"] == pytest.approx(two_fold_ppl(model, chosen, windows), rel=1e-6)
     assert made["calibration_perplexity"] <= start["start_calibration_perplexity"]
     plain_with_means = allocate(activations, "uniform", model=model, config=config)
     plain_with_means.means = even_means
-    assert start["start_calibration_perplexity"] == pytest.approx(two_fold_ppl(model, plain_with_means, windows, rank=2))
+    assert start["start_calibration_perplexity"] == pytest.approx(two_fold_ppl(model, plain_with_means, windows))
     assert windows_ppl(model, plain, windows) != pytest.approx(start["start_calibration_perplexity"])
 
 
@@ -176,7 +176,7 @@ def test_auto_keeps_the_best_trial_with_or_without_the_substitute_then_refines(t
     if plan.means is not None:                     # refitted on all the windows, on the chosen layers
         all_means = measure_expert_means(model, windows, 4, rank=2).restricted(sorted(plan.means.means))
         assert same_means(plan.means, all_means)
-    assert two_fold_ppl(model, plan, windows, rank=2) == pytest.approx(details["refine"]["calibration_perplexity"],
+    assert two_fold_ppl(model, plan, windows) == pytest.approx(details["refine"]["calibration_perplexity"],
                                                                       rel=1e-6)
     off = allocate(6, "auto", profile=profile, model=model, tokenizer=tok, calib_text=text,
                    config={**config, "substitute": False, "refine": 0})

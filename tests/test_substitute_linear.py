@@ -138,6 +138,52 @@ def test_the_linear_term_travels_in_the_means_file_and_a_broken_one_is_refused(t
         read_means(sidecar, hashlib.sha256(data).hexdigest(), "plan")
 
 
+def test_a_cut_of_a_larger_fit_is_the_fit_at_the_smaller_rank():
+    """auto fits its (k, rank) menu once at the largest rank and cuts it (ExpertMeans.truncated): each cut
+    equals the reduced-rank fit made at that rank from the start."""
+    model = build_tiny("olmoe")
+    windows = torch.randint(0, COMMON["vocab_size"], (8, 64), generator=torch.Generator().manual_seed(8))
+    large = measure_expert_means(model, windows, rank=6)
+    for rank in (0, 2, 3):
+        direct = measure_expert_means(model, windows, rank=rank)
+        cut = large.truncated({i: rank for i in large.means})
+        assert cut.ranks == direct.ranks == {i: rank for i in large.means}
+        for i in direct.means:
+            assert torch.equal(cut.means[i], direct.means[i])
+            for part in ("input_mean", "down", "up") if rank else ():
+                torch.testing.assert_close(getattr(cut.linear[i], part), getattr(direct.linear[i], part),
+                                           rtol=1e-5, atol=1e-6)
+    with pytest.raises(AllocMoeError, match="rank 6; they cannot be cut to rank 7"):
+        large.truncated({1: 7})
+
+
+def test_per_layer_ranks_travel_in_the_means_file_and_a_mismatch_is_refused(tmp_path):
+    model = build_tiny("olmoe")
+    windows = torch.randint(0, COMMON["vocab_size"], (4, 64), generator=torch.Generator().manual_seed(6))
+    plan = plan_of(model, 2)
+    plan.means = measure_expert_means(model, windows, rank=4).truncated({0: 4, 1: 0, 2: 2})
+    plan.save(tmp_path / "p.json")
+    loaded = load_plan(tmp_path / "p.json", model)
+    assert loaded.means.ranks == {0: 4, 1: 0, 2: 2} and loaded.means.rank == 4
+    for index, term in plan.means.linear.items():
+        for part in ("input_mean", "down", "up"):
+            assert torch.equal(getattr(loaded.means.linear[index], part), getattr(term, part))
+    from allocmoe.routing.layout import standin_costs
+    # priced per layer at its own rank: (2 H r + H) / (3 H I + H), H 32, I 48 (olmoe's tiny experts)
+    assert loaded.cost()["standin_per_slot"] == pytest.approx({0: 288 / 4640, 1: 32 / 4640, 2: 160 / 4640})
+    assert standin_costs(model, plan.means) == pytest.approx(loaded.cost()["standin_per_slot"])
+
+    from safetensors.torch import load, save
+    sidecar = tmp_path / "p.means.safetensors"
+    tensors = load(sidecar.read_bytes())
+    for ranks, message in (("0:4,1:2,2:2", "layer 1's linear term does not have rank|names linear terms"),
+                           ("0:4,2:2", "per-layer ranks"), ("0:4,1:0,2:x", "per-layer ranks")):
+        data = save(tensors, metadata={"format": "allocmoe-expert-means", "tokens": "5", "rank": "4", "ranks": ranks})
+        sidecar.write_bytes(data)
+        with pytest.raises(AllocMoeError, match=message):
+            read_means(sidecar, hashlib.sha256(data).hexdigest(), "plan")
+
+
 @pytest.mark.parametrize("argv, message", [
     (["--method", "uniform", "--substitute-rank", "4"], "--substitute-rank applies to the substitute"),
     (["--method", "auto", "--no-substitute", "--substitute-rank", "4"], "--substitute-rank applies to the substitute"),

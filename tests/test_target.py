@@ -132,7 +132,7 @@ def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(
     for count in range(4, 13):
         plan = allocate(Budget(float(count), 12, 3), "uniform", model=model, tokenizer=tok, calib_text=text,
                         config=config)
-        judged[count] = two_fold_ppl(model, plan, windows, rank=2)
+        judged[count] = two_fold_ppl(model, plan, windows)
     crossing = [b for b in range(5, 12) if min(judged[c] for c in judged if c < b) > max(judged[c] for c in judged
                                                                                         if c >= b)]
     assert crossing, judged

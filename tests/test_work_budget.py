@@ -195,6 +195,37 @@ def test_the_pair_dp_matches_brute_force_and_never_exceeds_the_budget(seed):
             brute_force_menu(losses, costs, budget), abs=1e-9)
 
 
+@pytest.mark.parametrize("seed", range(20))
+def test_the_rank_menu_choice_is_the_best_k_and_rank_per_layer_by_brute_force(seed):
+    """menu_choice over a (k, rank) profile with several ranks: the summed loss of its (k, rank) per layer
+    is brute force's best over every layer's (k, none) and (k, r) options, their cost (k, plus K - k
+    stand-ins at rank r's price) within B; a layer at K_orig is never said to carry stand-ins."""
+    import itertools
+    import random
+
+    from allocmoe.calibrate.methods import menu_choice
+
+    rng = random.Random(300 + seed)
+    num_layers, k_orig = rng.randint(1, 3), rng.randint(2, 4)
+    ranks = sorted(rng.sample([0, 2, 4, 8, 16], rng.randint(1, 3)))
+    layers = sorted(rng.sample(range(1, 9), num_layers))
+    price = {r: {i: (2 * r + 1) / rng.uniform(20, 60) for i in layers} for r in ranks}
+    plain = [sorted((rng.random() * 10 for _ in range(k_orig)), reverse=True) for _ in layers]
+    table = {"plain": plain, "standin": {r: [[p - rng.uniform(-0.5, 2.0) * (k_orig - k) / k_orig
+                                              for k, p in enumerate(row, 1)] for row in plain] for r in ranks}}
+    options = [[(k, None, plain[i][k - 1], float(k)) for k in range(1, k_orig + 1)]
+               + [(k, r, table["standin"][r][i][k - 1], k + (k_orig - k) * price[r][index])
+                  for r in ranks for k in range(1, k_orig + 1)] for i, index in enumerate(layers)]
+    budget = rng.uniform(num_layers, num_layers * k_orig)
+    best = min(sum(o[2] for o in pick) for pick in itertools.product(*options) if sum(o[3] for o in pick) <= budget + 1e-9)
+    ks, given = menu_choice(table, price, layers, k_orig, budget)
+    loss = sum(table["standin"][given[index]][i][k - 1] if index in given else plain[i][k - 1]
+               for i, (index, k) in enumerate(zip(layers, ks)))
+    cost = sum(k + ((k_orig - k) * price[given[index]][index] if index in given else 0) for index, k in zip(layers, ks))
+    assert loss == pytest.approx(best, abs=1e-9) and cost <= budget + 1e-9
+    assert all(ks[layers.index(index)] < k_orig and r in ranks for index, r in given.items())
+
+
 @pytest.mark.parametrize("seed", range(10))
 def test_without_standins_the_pair_dp_is_alloc_ls_dp(seed):
     import random
@@ -235,6 +266,8 @@ def test_the_pair_dp_refuses_a_budget_below_the_cheapest_menu():
 # -- the (k, stand-in) profile and auto's budget ---------------------------------------------------
 
 def test_the_pair_profile_is_each_cell_applied_by_hand(qwen):
+    """Each cell, for each rank of the menu, against the plan applied by hand with stand-ins fitted by
+    the test at that rank (not cut from a larger fit)."""
     from allocmoe import apply_plan, model_fingerprint, static_plan
     from allocmoe.calibrate.means import measure_expert_means
     from allocmoe.calibrate.pairs import pair_profile
@@ -242,28 +275,33 @@ def test_the_pair_profile_is_each_cell_applied_by_hand(qwen):
 
     model, tok = qwen
     windows = tokenize_windows(tok, TEXT, 32, 256)
-    means = measure_expert_means(model, windows, 4, progress=False, rank=2)
-    table = pair_profile(model, windows, means, 4)
+    top = measure_expert_means(model, windows, 4, progress=False, rank=4)
+    menu = {r: top.truncated({i: r for i in top.means}) for r in (0, 2, 4)}
+    table = pair_profile(model, windows, menu, 4)
     fp = model_fingerprint(model)
     L, K = fp["num_moe_layers"], fp["k_orig"]
-    for i, index in enumerate(fp["moe_layers"]):
-        for k in range(1, K + 1):
-            plan = static_plan(model, [K] * i + [k] + [1] * (L - i - 1))
-            with apply_plan(model, plan):
-                plain = evaluate_perplexity(model, None, "", {"progress": False}, windows=windows).perplexity
-            plan.means = means.restricted([index])
-            with apply_plan(model, plan):
-                standin = evaluate_perplexity(model, None, "", {"progress": False}, windows=windows).perplexity
-            assert table["plain"][i][k - 1] == pytest.approx(plain, rel=1e-9)
-            assert table["standin"][i][k - 1] == pytest.approx(standin, rel=1e-9)
-    assert table["cells"] == (L * K - (L - 1)) + L * (K - 1)
-    assert pair_profile(model, windows, means, 4) is table              # memoised for the next budget
+    for r in (0, 2, 4):
+        means = measure_expert_means(model, windows, 4, progress=False, rank=r)
+        for i, index in enumerate(fp["moe_layers"]):
+            for k in range(1, K + 1):
+                plan = static_plan(model, [K] * i + [k] + [1] * (L - i - 1))
+                with apply_plan(model, plan):
+                    plain = evaluate_perplexity(model, None, "", {"progress": False}, windows=windows).perplexity
+                plan.means = means.restricted([index])
+                with apply_plan(model, plan):
+                    standin = evaluate_perplexity(model, None, "", {"progress": False}, windows=windows).perplexity
+                assert table["plain"][i][k - 1] == pytest.approx(plain, rel=1e-9)
+                assert table["standin"][r][i][k - 1] == pytest.approx(standin, rel=1e-6)
+    assert table["cells"] == (L * K - (L - 1)) + 3 * L * (K - 1)
+    assert pair_profile(model, windows, menu, 4) is table              # memoised for the next budget
 
 
-def hand_cost(plan, u=160 / 1568, k_orig=4):
-    """A plan's activations plus its stand-ins, counted from its own k and means (rank 2 on the tiny qwen)."""
-    with_standin = set(plan.means.means) if plan.means is not None else set()
-    return sum(p.k + ((k_orig - p.k) * u if i in with_standin else 0) for i, p in plan.layers.items())
+def hand_cost(plan, k_orig=4):
+    """A plan's activations plus its stand-ins, counted from its own k and means: on the tiny qwen (H 32,
+    experts 3 x 32 x 16 + 32 = 1568 multiply-adds) a rank-r stand-in costs (2 x 32 x r + 32) / 1568."""
+    ranks = plan.means.ranks if plan.means is not None else {}
+    return sum(p.k + ((k_orig - p.k) * (64 * ranks[i] + 32) / 1568 if i in ranks else 0)
+               for i, p in plan.layers.items())
 
 
 @pytest.mark.parametrize("budget", ["0.5", "7", "0.75", "11"])

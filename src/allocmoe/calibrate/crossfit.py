@@ -70,16 +70,17 @@ def scored_tokens(windows: torch.Tensor) -> int:
 def held_out_perplexity(plan: Plan, fold_means: tuple, windows: torch.Tensor,
                         perplexity: Callable[[Plan, torch.Tensor], float]) -> float:
     """`plan`'s perplexity on calibration `windows` [N, S], no token scored by stand-ins fitted on it
-    (module docstring): `fold_means` = (stand-ins fitted on the even windows, on the odd ones), of which
-    each fold takes the plan's stand-in layers; `perplexity(plan, windows)` scores one pass. A plan
-    without stand-ins is scored on all `windows` at once."""
+    (module docstring): `fold_means` = (stand-ins fitted on the even windows, on the odd ones), at a rank
+    no lower than any of the plan's, of which each fold takes the plan's stand-in layers cut to the plan's
+    ranks (core/means.py truncated); `perplexity(plan, windows)` scores one pass. A plan without
+    stand-ins is scored on all `windows` at once."""
     if plan.means is None:
         return perplexity(plan, windows)
-    layers = sorted(plan.means.means)
+    ranks = plan.means.ranks
     even, odd = split_windows(windows)
     log_sum = 0.0
     for means, scored in zip(fold_means, (odd, even)):
-        log_sum += scored_tokens(scored) * math.log(perplexity(replace(plan, means=means.restricted(layers)), scored))
+        log_sum += scored_tokens(scored) * math.log(perplexity(replace(plan, means=means.truncated(ranks)), scored))
     return math.exp(log_sum / scored_tokens(windows))
 
 
@@ -92,12 +93,13 @@ def cross_fit_provenance(windows: torch.Tensor) -> dict[str, Any]:
 
 def refit(plan: Plan, means, windows: torch.Tensor, standin_costs, record: str = "cross_fit") -> Plan:
     """`plan` (stand-ins fitted on part of the windows, every choice cross-fitted) with its stand-ins
-    replaced by `means`, fitted on all `windows`, for the same layers; `standin_costs(means)` prices them.
+    replaced by `means`, fitted on all `windows` (at a rank no lower than the plan's), for the same layers
+    and ranks; `standin_costs(means)` prices them.
     The cost is checked unchanged (a stand-in's price is its rank and the model's shapes). The windows
     are recorded under provenance[`record`]."""
     if plan.means is None:
         return plan
-    means = means.restricted(sorted(plan.means.means))
+    means = means.truncated(plan.means.ranks)
     costs = standin_costs(means)
     if costs != plan.standins:
         raise AssertionError(f"refitted stand-ins cost {costs}, the chosen ones {plan.standins}")

@@ -141,20 +141,22 @@ def refit_expert_means(model, windows: torch.Tensor, plan: Plan, batch_size: int
     layer l that the plan gives stand-ins (its means' layers), the model runs with the plan (and the
     stand-ins refitted so far) on the MoE layers below l and full K from l up, and layer l's stand-ins
     are fitted on what its experts then receive (`measure_expert_means` for layer l alone). One
-    calibration pass per layer with stand-ins. Same layers and rank (default the plan's), so the same
-    cost: `plan.means = refit_expert_means(model, windows, plan)` after an allocation is chosen."""
+    calibration pass per layer with stand-ins. Same layers and ranks (default each layer's own in the
+    plan; `rank`: that one on every layer), so the same cost: `plan.means = refit_expert_means(model,
+    windows, plan)` after an allocation is chosen."""
     from ..routing.apply import apply_plan
 
     if plan.means is None:
         raise AllocMoeError("the plan carries no stand-ins to refit; make it with the substitute (--substitute)")
-    rank = plan.means.rank if rank is None else rank
-    fitted = ExpertMeans(means={}, tokens=int(windows.numel()), linear={} if rank else None)
+    ranks = plan.means.ranks if rank is None else {i: rank for i in plan.means.means}
+    fitted = ExpertMeans(means={}, tokens=int(windows.numel()), linear={})
     for index in tqdm(sorted(plan.means.means), unit="layer", disable=not progress, desc="refit stand-ins"):
         with apply_plan(model, _plan_below(plan, index, fitted)):
-            got = measure_expert_means(model, windows, batch_size, rank=rank, layers=[index], ridge=ridge)
+            got = measure_expert_means(model, windows, batch_size, rank=ranks[index], layers=[index], ridge=ridge)
         fitted.means[index] = got.means[index]
-        if rank:
+        if ranks[index]:
             fitted.linear[index] = got.linear[index]
+    fitted.linear = fitted.linear or None
     return fitted
 
 
@@ -171,7 +173,7 @@ def fit_skipped_standins(model, windows: torch.Tensor, plan: Plan, batch_size: i
     fitted by weighted least squares over the (token, expert) slots where the plan skips it, each
     weighted by the square of its gate weight, on the inputs the plan gives the layer: bottom-up, with
     the plan (and the stand-ins fitted so far) on the MoE layers below, as `refit_expert_means` does.
-    Same layers and rank as `plan.means`, so the same cost. An expert the plan skips on fewer than H
+    Same layers and ranks as `plan.means`, so the same cost. An expert the plan skips on fewer than H
     slots here (too few to fit an H x H map; at rank 0 too) keeps its fit in `plan.means`.
     One pass per layer with stand-ins, each stopped at that layer."""
     from ..routing.apply import apply_plan
@@ -182,12 +184,11 @@ def fit_skipped_standins(model, windows: torch.Tensor, plan: Plan, batch_size: i
     adapter = adapter_for_model(model)
     layers = {layer.index: layer for layer in adapter.moe_layers(model)}
     num_experts, hidden, k_orig = adapter.num_experts(), model.config.hidden_size, plan.k_orig
-    rank = plan.means.rank
-    check_fit_memory(num_experts, hidden, rank)
-    fitted = ExpertMeans(means={}, tokens=int(windows.numel()), linear={} if rank else None)
+    check_fit_memory(num_experts, hidden, plan.means.rank)
+    fitted = ExpertMeans(means={}, tokens=int(windows.numel()), linear={})
     device = next(model.parameters()).device
     for index in tqdm(sorted(plan.means.means), unit="layer", disable=not progress, desc="fit stand-ins"):
-        layer, policy = layers[index], plan.layers[index]
+        layer, policy, rank = layers[index], plan.layers[index], plan.means.ranks[index]
         moments = Moments(hidden, hidden, num_experts, second=rank > 0)
         rows = [0]
 
@@ -223,6 +224,7 @@ def fit_skipped_standins(model, windows: torch.Tensor, plan: Plan, batch_size: i
         fitted.means[index], term = _skipped_fit(moments, plan.means, index, rank, ridge)
         if rank:
             fitted.linear[index] = term
+    fitted.linear = fitted.linear or None
     return fitted
 
 
@@ -261,8 +263,8 @@ def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int
         raise AllocMoeError("choosing the stand-ins' fit needs a plan with stand-ins; allocate one with the "
                             "substitute on (the default for auto, --substitute otherwise)")
     first, second = split_windows(windows)
-    rank, layers = plan.means.rank, sorted(plan.means.means)
-    fits = {"plain": measure_expert_means(model, first, batch_size, rank=rank, layers=layers)}
+    rank, layers = plan.means.rank, sorted(plan.means.means)        # fitted at the largest, cut to each layer's
+    fits = {"plain": measure_expert_means(model, first, batch_size, rank=rank, layers=layers).truncated(plan.means.ranks)}
     fits["sequential"] = refit_expert_means(model, first, replace(plan, means=fits["plain"]), batch_size, progress)
     held_out = {}
     for name, means in fits.items():
@@ -271,5 +273,5 @@ def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int
                                                  windows=second).perplexity
     chose = min(held_out, key=held_out.get)
     means = (refit_expert_means(model, windows, plan, batch_size, progress) if chose == "sequential"
-             else measure_expert_means(model, windows, batch_size, rank=rank, layers=layers))
+             else measure_expert_means(model, windows, batch_size, rank=rank, layers=layers).truncated(plan.means.ranks))
     return means, {"chose": chose, "held_out": held_out}

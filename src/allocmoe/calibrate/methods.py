@@ -74,7 +74,8 @@ class AllocateConfig(Config):
     substitute: bool | None = None  # add stand-ins for skipped experts back; None: auto tries both, others don't
     refine: int | None = None       # calibration passes for the joint refinement; None: AUTO_REFINE for auto, else 0
     substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
-                                    # on the shipped models rank 8 kept half the loss the means left (quality.md)
+                                    # on the shipped models rank 8 kept half the loss the means left (quality.md);
+                                    # auto's (k, rank) menu also offers 0, r/2 and 2r per layer (menu_ranks)
     standin_fit: str = "skipped"    # how a plan's stand-ins are fitted for shipping: "skipped", on the slots the plan
                                     # skips, gate^2-weighted, under the plan (built-in model at half: 0.137 -> 0.075
                                     # of uniform's loss, quality.md); "routed", on every token routed to the expert
@@ -416,7 +417,7 @@ def _refitted(plan: Plan, model, tokenizer, calib_text, config: AllocateConfig) 
         return standin_costs(model, means)
 
     if "cross_fit" in plan.provenance:
-        plan = refit(plan, _measure_means(model, windows, config), windows, costs)
+        plan = refit(plan, _measure_means(model, windows, config, plan.means.rank), windows, costs)
     if config.standin_fit == "skipped":
         from .means import fit_skipped_standins
 
@@ -510,9 +511,18 @@ def _judge(model, windows, config: AllocateConfig, fold_means: tuple | None) -> 
     return lambda plan: held_out_perplexity(plan, fold_means, windows, perplexity)
 
 
-def _fold_means(model, windows, config: AllocateConfig) -> tuple:
-    """(stand-ins fitted on the even calibration windows, on the odd ones): the two folds (calibrate/crossfit.py)."""
-    return tuple(_measure_means(model, part, config) for part in split_windows(windows))
+def _fold_means(model, windows, config: AllocateConfig, rank: int | None = None) -> tuple:
+    """(stand-ins fitted on the even calibration windows, on the odd ones), at `rank` (None: substitute_rank):
+    the two folds (calibrate/crossfit.py)."""
+    return tuple(_measure_means(model, part, config, rank) for part in split_windows(windows))
+
+
+def _fit_rank(method: str, config: AllocateConfig, model) -> int:
+    """The rank the folds' stand-ins are fitted at, cut to each plan's ranks when scored: the largest of
+    auto's (k, rank) menu where it runs, else substitute_rank."""
+    if method == "auto" and config.substitute is None:
+        return max(menu_ranks(config.substitute_rank, int(model.config.hidden_size)))
+    return config.substitute_rank
 
 
 def standin_per_slot(model, config: AllocateConfig) -> float:
@@ -521,16 +531,17 @@ def standin_per_slot(model, config: AllocateConfig) -> float:
     return standin_equivalent(int(model.config.hidden_size), expert_weights(model), config.substitute_rank)
 
 
-def _measure_means(model, windows, config: AllocateConfig):
-    """The expert means on `windows`, measured once per outermost allocate() call (_MEANS_MEMO)."""
+def _measure_means(model, windows, config: AllocateConfig, rank: int | None = None):
+    """The expert means on `windows` at `rank` (None: substitute_rank), measured once per outermost
+    allocate() call (_MEANS_MEMO)."""
     from .means import measure_expert_means
 
+    rank = config.substitute_rank if rank is None else rank
     memo = _MEANS_MEMO.get()
-    key = (id(model), windows_digest(windows), config.windows_per_pass, config.substitute_rank)
+    key = (id(model), windows_digest(windows), config.windows_per_pass, rank)
     if memo is not None and key in memo:
         return memo[key]
-    means = measure_expert_means(model, windows, config.windows_per_pass, progress=config.progress,
-                                 rank=config.substitute_rank)
+    means = measure_expert_means(model, windows, config.windows_per_pass, progress=config.progress, rank=rank)
     if memo is not None:
         memo[key] = means
     return means
@@ -607,7 +618,8 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
     fingerprint = _fingerprint(profile, model)
     num_layers, k_orig = fingerprint["num_moe_layers"], fingerprint["k_orig"]
     inner = replaced(config, progress=False)          # one bar for the search, none per step
-    judge = _judge(model, windows, inner, _fold_means(model, windows, inner) if fitted else None)
+    judge = _judge(model, windows, inner, _fold_means(model, windows, inner, _fit_rank(method, config, model))
+                   if fitted else None)
     plans: dict[int, Plan] = {}
     steps = max(1, math.ceil(math.log2(num_layers * (k_orig - 1) + 1))) + 1
     bar = tqdm(total=steps, desc=f"target ppl {target:.4g}", unit="budget", disable=not config.progress)
@@ -639,25 +651,29 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
 
 def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refine_memo=None) -> Plan:
     """Try alloc-moe, alloc-l and alloc-t (k_base 0..2), each with and without the substitute (its
-    stand-ins paid from B), and the (k, stand-in) DP's allocation as alloc-l and alloc-moe; keep the
-    best, then refine it. With stand-ins, cross-fitted (calibrate/crossfit.py): every choice (trial,
+    stand-ins paid from B), and the (k, stand-in rank) DP's allocation as alloc-l and alloc-moe; keep
+    the best, then refine it. With stand-ins, cross-fitted (calibrate/crossfit.py): every choice (trial,
     move, remainder) is scored by `_judge`, each window with stand-ins fitted on the other half; the
-    (k, stand-in) menu's profile is measured on the odd windows with those fitted on the even ones."""
+    (k, rank) menu's profile is measured on the odd windows with those fitted on the even ones."""
     substitute, refine = addons("auto", config)
     candidates = [("alloc-l", None)]
     for k_base in sorted({0, 1, 2, config.k_base}):
         if k_base <= budget.per_layer:
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
-    fold_means = _fold_means(model, windows, config) if substitute else None
-    means = fold_means[0] if substitute else None       # the plans carry fold 1's; the judge swaps per fold
-    judge = _judge(model, windows, config, fold_means)
+    menu = substitute and config.substitute is None              # where stand-ins pay, per layer, at what rank
+    ranks = menu_ranks(config.substitute_rank, int(model.config.hidden_size)) if menu else [config.substitute_rank]
+    fold_means = _fold_means(model, windows, config, _fit_rank("auto", config, model)) if substitute else None
+    means = fold_means[0].truncated({i: config.substitute_rank for i in fold_means[0].means}) if substitute else None
+    judge = _judge(model, windows, config, fold_means)          # the plans carry fold 1's; the judge swaps per fold
     made = _auto_trials(budget, profile, model, config, means, candidates)
-    if means is not None and config.substitute is None:       # where stand-ins are worth their cost, per layer
-        made += [{"method": method, "k_base": k_base, "substitute": plan.means is not None, "menu": "k x stand-in",
+    if menu:
+        made += [{"method": method, "k_base": k_base, "substitute": plan.means is not None, "menu": "k x stand-in rank",
                   "k_per_layer": [p.k for _, p in sorted(plan.layers.items())],
-                  "standin_layers": sorted(plan.standins), "plan": plan}
-                 for method, k_base, plan in _menu_trials(budget, model, split_windows(windows)[1], config, means,
-                                                          candidates)]
+                  "standin_layers": sorted(plan.standins),
+                  "standin_ranks": {str(i): r for i, r in sorted((plan.means.ranks if plan.means else {}).items())},
+                  "plan": plan}
+                 for method, k_base, plan in _menu_trials(budget, model, split_windows(windows)[1], config,
+                                                          fold_means[0], ranks, candidates)]
     trials = _scored(made, judge, config)
     best = min(trials, key=lambda t: t["calibration_perplexity"])
     plan = best["plan"]
@@ -719,45 +735,59 @@ def _scored(trials: list[dict], judge: Callable[[Plan], float], config: Allocate
         for trial in trials:
             bar.set_postfix_str(trial["method"] + (f" k_base={trial['k_base']}" if trial["k_base"] is not None else "")
                                 + (" +substitute" if trial["substitute"] else "")
-                                + (" (k x stand-in)" if "menu" in trial else ""))
+                                + (" (k x stand-in rank)" if "menu" in trial else ""))
             trial["calibration_perplexity"] = round(judge(trial["plan"]), 6)
             bar.update(1)
     return trials
 
 
-def menu_choice(table: dict[str, Any], standins: dict[int, float], moe_layers: list[int], k_orig: int,
-                budget: float) -> tuple[list[int], list[int]]:
-    """(k per MoE layer, the MoE layers given a stand-in): the exact DP over each layer's menu of
-    (k, stand-in or not), losses from the (k, stand-in) profile (calibrate/pairs.py), costs k plus
-    K_orig - k stand-ins at the layer's per-slot cost, the summed cost within `budget`."""
+def menu_ranks(rank: int, hidden: int) -> list[int]:
+    """The stand-in ranks auto's (k, rank) menu offers a layer around `rank` (substitute_rank): the mean
+    alone, half, the rank itself and twice it (at most the hidden size). Measured on four small families
+    at a third of the budget, the menu's pick beat every trial of one rank by 1.2-4.1 calibration
+    perplexity on three of them (docs/quality.md)."""
+    return sorted({0, rank // 2, rank, min(2 * rank, hidden)})
+
+
+def menu_choice(table: dict[str, Any], standins: dict[int, dict[int, float]], moe_layers: list[int], k_orig: int,
+                budget: float) -> tuple[list[int], dict[int, int]]:
+    """(k per MoE layer, {MoE layer given stand-ins: their rank}): the exact DP over each layer's menu of
+    (k, no stand-in) and (k, rank r) for every rank r of the (k, rank) profile (calibrate/pairs.py:
+    table["plain"], table["standin"][r]); costs k, plus K_orig - k stand-ins at the layer's per-slot cost
+    at rank r (`standins[r][layer]`); the summed cost within `budget`."""
     from ..core.solver import solve_menu_allocation
 
-    losses = [plain + standin for plain, standin in zip(table["plain"], table["standin"])]
+    ranks = sorted(table["standin"])
+    losses = [table["plain"][i] + [x for r in ranks for x in table["standin"][r][i]] for i in range(len(moe_layers))]
     costs = [[float(k) for k in range(1, k_orig + 1)]
-             + [layer_cost(k, k_orig, standins.get(index, 0.0)) for k in range(1, k_orig + 1)] for index in moe_layers]
+             + [layer_cost(k, k_orig, standins[r].get(index, 0.0)) for r in ranks for k in range(1, k_orig + 1)]
+             for index in moe_layers]
     choice = solve_menu_allocation(losses, costs, budget)
     ks = [j % k_orig + 1 for j in choice]
-    return ks, [index for index, j in zip(moe_layers, choice) if j >= k_orig and j % k_orig + 1 < k_orig]
+    return ks, {index: ranks[j // k_orig - 1] for index, j in zip(moe_layers, choice)
+                if j >= k_orig and j % k_orig + 1 < k_orig}
 
 
-def _menu_trials(budget: Budget, model, windows, config: AllocateConfig, means, candidates) -> list[tuple]:
-    """auto's trials from the (k, stand-in) DP: (method, k_base, plan) for alloc-l and each alloc-moe
-    k_base of `candidates`, the same allocation run as static top-k or with Alloc-T."""
+def _menu_trials(budget: Budget, model, windows, config: AllocateConfig, means, ranks: list[int],
+                 candidates) -> list[tuple]:
+    """auto's trials from the (k, rank) DP over `ranks` (`means` fitted at the largest, cut to each):
+    (method, k_base, plan) for alloc-l and each alloc-moe k_base of `candidates`, the same allocation run
+    as static top-k or with Alloc-T."""
     from .pairs import pair_profile
 
     fingerprint = model_fingerprint(model)
-    table = pair_profile(model, windows, means, config.windows_per_pass, config.progress)
-    standins = standin_costs(model, means)
-    ks, with_standin = menu_choice(table, standins, fingerprint["moe_layers"], fingerprint["k_orig"],
-                                   budget.activations_per_token)
+    menu = {r: means.truncated({i: r for i in means.means}) for r in ranks}
+    table = pair_profile(model, windows, menu, config.windows_per_pass, config.progress)
+    ks, given = menu_choice(table, {r: standin_costs(model, m) for r, m in menu.items()}, fingerprint["moe_layers"],
+                            fingerprint["k_orig"], budget.activations_per_token)
     trials = []
     for method, k_base in candidates:
         if method == "alloc-t":
             continue
         policies = ([StaticTopK(k) for k in ks] if method == "alloc-l"
                     else [_alloc_t(k, config, k_base) for k in ks])
-        plan = _plan(fingerprint, policies, method, budget, menu="k x stand-in", standin_layers=with_standin)
-        plan.means = means.restricted(with_standin) if with_standin else None
-        plan.standins = {i: standins[i] for i in with_standin}
+        plan = _plan(fingerprint, policies, method, budget, menu="k x stand-in rank", standin_layers=sorted(given))
+        plan.means = means.truncated(given) if given else None
+        plan.standins = standin_costs(model, plan.means)
         trials.append((method, k_base, plan))
     return trials

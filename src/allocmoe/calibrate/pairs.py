@@ -1,16 +1,16 @@
-"""The (k, stand-in) profile: where a layer's stand-ins are worth what they cost.
+"""The (k, stand-in rank) profile: where a layer's stand-ins are worth what they cost, and at what rank.
 
-Alloc-L's isolating profile (profile.py), each cell measured with and without the substitute's
-stand-ins on its layer: MoE layer i at k, layers before it at K_orig, deeper layers at top-1, and a
-stand-in (if any) on layer i alone. `auto` hands both tables to the exact DP over each layer's menu of
-(k, stand-in) pairs (core/solver.py solve_menu_allocation), whose costs are k plus the stand-ins'
-activation-equivalents (core/budget.py), so it buys a layer's stand-ins only where they lower the loss
-more than the activations they displace would.
+Alloc-L's isolating profile (profile.py), each cell measured without stand-ins and with the stand-ins
+of each rank of a menu on its layer: MoE layer i at k, layers before it at K_orig, deeper layers at
+top-1, and a stand-in (if any) on layer i alone. `auto` hands the tables to the exact DP over each
+layer's menu of (k, rank) pairs (core/solver.py solve_menu_allocation), whose costs are k plus the
+stand-ins' activation-equivalents at that rank (core/budget.py), so it buys a layer's stand-ins only
+where they lower the loss more than the activations they displace would, and at the rank that pays.
 
-Both tables come from the same calibration windows, through the same cells code (cells.py, prefix-cached
+The tables come from the same calibration windows, through the same cells code (cells.py, prefix-cached
 as the profile is: each cell starts from the held states of its first reduced layer). Cells that
 coincide run once: (i, K_orig) with a stand-in is (i, K_orig) without it (nothing is skipped) and
-(i, K_orig) is (i + 1, 1): L*K - (L-1) plain cells and L*(K-1) with a stand-in. `auto` measures it on
+(i, K_orig) is (i + 1, 1): L*K - (L-1) plain cells and L*(K-1) per rank with a stand-in. `auto` measures it on
 the odd windows of its calibration split with the means fitted on the even ones (one fold of calibrate/
 crossfit.py), so the menu's proposal rests on text the stand-ins were not fitted on; auto then scores
 that proposal on both folds like every other trial. The tables are kept on the
@@ -38,15 +38,16 @@ from .profile import profile_cells
 MEMO_ATTR = "_allocmoe_pair_profiles"     # on the model: {key: tables}, the tables a sweep's budgets share
 
 
-def pair_profile(model, windows: torch.Tensor, means: ExpertMeans, windows_per_pass: int,
+def pair_profile(model, windows: torch.Tensor, menu: dict[int, ExpertMeans], windows_per_pass: int,
                  progress: bool = False) -> dict[str, Any]:
-    """{"plain": S[i][k-1], "standin": S'[i][k-1]} on `windows`, for MoE layer i (in MoE-layer order) and
-    k in 1..K_orig: calibration perplexity of cell (i, k) without and with stand-ins on layer i alone;
-    "cells" and "layer_passes" say what it ran. Memoised on the model (module docstring)."""
-    key = (windows_digest(windows), _digest(means), windows_per_pass)
+    """{"plain": S[i][k-1], "standin": {r: S_r[i][k-1]}} on `windows`, for MoE layer i (in MoE-layer order),
+    k in 1..K_orig and each rank r of `menu` (r -> the stand-ins at that rank): calibration perplexity of
+    cell (i, k) without, and with layer i's stand-ins of rank r on layer i alone; "cells" and
+    "layer_passes" say what it ran. Memoised on the model (module docstring)."""
+    key = (windows_digest(windows), tuple((r, _digest(m)) for r, m in sorted(menu.items())), windows_per_pass)
     memo = model.__dict__.setdefault(MEMO_ATTR, {})
     if key not in memo:
-        memo[key] = _measure(model, windows, means, windows_per_pass, progress)
+        memo[key] = _measure(model, windows, menu, windows_per_pass, progress)
     return memo[key]
 
 
@@ -60,13 +61,14 @@ def _digest(means: ExpertMeans) -> str:
     return digest.hexdigest()
 
 
-def _measure(model, windows, means: ExpertMeans, windows_per_pass: int, progress: bool) -> dict[str, Any]:
+def _measure(model, windows, menu: dict[int, ExpertMeans], windows_per_pass: int, progress: bool) -> dict[str, Any]:
     fingerprint = model_fingerprint(model)
     num_layers, k_orig, moe_layers = fingerprint["num_moe_layers"], fingerprint["k_orig"], fingerprint["moe_layers"]
     plain = profile_cells(num_layers, k_orig)                       # configuration -> the (i, k) it fills
     cells = [(cfg, None) for cfg in plain]
-    cells += [(tuple([k_orig] * i + [k] + [1] * (num_layers - i - 1)), i)
-              for i in range(num_layers) for k in range(1, k_orig) if moe_layers[i] in means.means]
+    cells += [(tuple([k_orig] * i + [k] + [1] * (num_layers - i - 1)), (i, r))
+              for r, means in sorted(menu.items()) for i in range(num_layers) for k in range(1, k_orig)
+              if moe_layers[i] in means.means]
     start = profile_start_layer(moe_layers, k_orig)
     ppl_config = {"windows_per_pass": windows_per_pass, "progress": False}
 
@@ -74,15 +76,16 @@ def _measure(model, windows, means: ExpertMeans, windows_per_pass: int, progress
         cfg, standin = cell
         plan = static_plan(model, list(cfg), method="profile")
         if standin is not None:
-            plan.means = means.restricted([moe_layers[standin]])
+            i, r = standin
+            plan.means = menu[r].restricted([moe_layers[i]])
         return plan
 
     run = CellRun(model, windows, windows_per_pass, cells, start_layer=lambda cell: start(cell[0]),
                   plan_for=plan_for,
                   score=lambda: evaluate_perplexity(model, None, "", ppl_config, windows=windows).perplexity,
                   label=lambda cell: f"MoE layer {start_position(cell[0], k_orig) + 1}/{num_layers}"
-                                     + (" + stand-in" if cell[1] is not None else ""))
-    bar = CellBar(total=len(cells), desc="k x stand-in", unit="cell", disable=not progress,
+                                     + (f" + rank-{cell[1][1]} stand-in" if cell[1] is not None else ""))
+    bar = CellBar(total=len(cells), desc="k x stand-in rank", unit="cell", disable=not progress,
                   work_total=run.planned_passes())
     found = {}
     try:
@@ -97,7 +100,8 @@ def _measure(model, windows, means: ExpertMeans, windows_per_pass: int, progress
         for i, k in filled:
             table["plain"][i][k - 1] = found[(cfg, None)]
     # a layer without means (none here: auto measures every layer's) would keep its plain row
-    table["standin"] = [[found.get((tuple([k_orig] * i + [k] + [1] * (num_layers - i - 1)), i),
-                                   table["plain"][i][k - 1]) for k in range(1, k_orig + 1)] for i in range(num_layers)]
+    table["standin"] = {r: [[found.get((tuple([k_orig] * i + [k] + [1] * (num_layers - i - 1)), (i, r)),
+                                       table["plain"][i][k - 1]) for k in range(1, k_orig + 1)]
+                            for i in range(num_layers)] for r in sorted(menu)}
     return {**table, "cells": len(cells), "layer_passes": run.passes}
 

@@ -447,5 +447,6 @@ def _say_bench(result: dict) -> None:
               f"{result['measured_cost_per_token']:.4g}", file=sys.stderr)
     if "substitute_cost" in result:
         cost = result["substitute_cost"]
-        print(f"substitute (rank {cost['decode']['rank']}): prefill {cost['prefill']['ratio']:.3f}x, decode "
+        ranks = sorted(set(cost["decode"].get("ranks", {}).values())) or [cost["decode"]["rank"]]
+        print(f"substitute (rank {'/'.join(map(str, ranks))}): prefill {cost['prefill']['ratio']:.3f}x, decode "
               f"{cost['decode']['ratio']:.3f}x the time of the same plan without it", file=sys.stderr)

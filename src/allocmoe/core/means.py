@@ -11,10 +11,14 @@ That is E x H (+ E x H x 2r) numbers per layer: too many for JSON, so they live 
 file beside the plan, and the plan names it and records its SHA-256. Loading reads tensors only
 (safetensors never executes anything), and refuses a file whose hash, layers or shapes do not match.
 
+Each layer has its own rank (`auto`'s (k, rank) DP may give layer 1 rank 16 and layer 3 the mean
+alone, rank 0); a plan made with one --substitute-rank has the same on every layer.
+
 File shape: float32 tensors per MoE layer i (i = decoder layer index): `layer.<i>` [E, H], the
-means; with rank r > 0 also `layer.<i>.input_mean` [E, H], `layer.<i>.down` [E, H, r] and
-`layer.<i>.up` [E, r, H]. Metadata {"format": "allocmoe-expert-means", "tokens": "<calibration
-tokens measured>", "rank": "<r>"} (no rank: 0, files written before the linear term).
+means; where layer i's rank r_i > 0 also `layer.<i>.input_mean` [E, H], `layer.<i>.down` [E, H, r_i]
+and `layer.<i>.up` [E, r_i, H]. Metadata {"format": "allocmoe-expert-means", "tokens": "<calibration
+tokens measured>", "rank": "<largest r_i>", "ranks": "<i>:<r_i>,..."} (no "ranks": every layer at
+"rank", files written before per-layer ranks; no rank: 0, files written before the linear term).
 """
 
 from __future__ import annotations
@@ -60,8 +64,29 @@ class ExpertMeans:
     linear: dict[int, LinearTerm] | None = None   # rank-r linear terms per layer (None: the means alone, rank 0)
 
     @property
+    def ranks(self) -> dict[int, int]:
+        """Each layer's rank: its linear term's, 0 where it has the mean alone."""
+        return {i: self.linear[i].rank if i in (self.linear or {}) else 0 for i in self.means}
+
+    @property
     def rank(self) -> int:
-        return next(iter(self.linear.values())).rank if self.linear else 0
+        """The largest layer's rank (every layer's, for means fitted at one rank)."""
+        return max(self.ranks.values(), default=0)
+
+    def truncated(self, ranks: dict[int, int]) -> "ExpertMeans":
+        """These means for the layers of `ranks` only, layer i's linear term cut to its first ranks[i]
+        directions (0: the mean alone). The reduced-rank fit (core/regression.py) orders its directions
+        by the fitted output's variance, so the cut of a rank-R fit is the rank-r fit of the same moments."""
+        linear = {}
+        for i, r in ranks.items():
+            have = self.ranks[i]
+            if not 0 <= r <= have:
+                raise AllocMoeError(f"layer {i}'s stand-ins have rank {have}; they cannot be cut to rank {r}")
+            if r:
+                term = self.linear[i]
+                linear[i] = LinearTerm(input_mean=term.input_mean, down=term.down[..., :r].contiguous(),
+                                       up=term.up[:, :r, :].contiguous())
+        return ExpertMeans(means={i: self.means[i] for i in ranks}, tokens=self.tokens, linear=linear or None)
 
     def restricted(self, layers) -> "ExpertMeans":
         """These means for `layers` only: a plan whose other layers carry no stand-in (auto's (k, rank) DP)."""
@@ -77,7 +102,9 @@ class ExpertMeans:
         for index, term in sorted((self.linear or {}).items()):
             for part in LINEAR_PARTS:
                 tensors[f"layer.{index}.{part}"] = getattr(term, part).detach().float().cpu().contiguous()
-        return save(tensors, metadata={"format": FORMAT, "tokens": str(self.tokens), "rank": str(self.rank)})
+        ranks = ",".join(f"{i}:{r}" for i, r in sorted(self.ranks.items()))
+        return save(tensors, metadata={"format": FORMAT, "tokens": str(self.tokens), "rank": str(self.rank),
+                                       "ranks": ranks})
 
     def check_shape(self, layers: list[int], num_experts: int, hidden: int | None, what: str) -> None:
         """Refuse means that do not fit a model: other layers, another expert count or hidden size."""
@@ -136,16 +163,37 @@ def read_means(path: Path, sha256: str, what: str) -> ExpertMeans:
     tokens, rank = meta.get("tokens", ""), meta.get("rank", "0")
     if meta.get("format") != FORMAT or not tokens.isdigit() or not rank.isdigit():
         raise AllocMoeError(f"{what}'s means file {path} is not an allocmoe expert-means file; {fix}")
+    ranks = _layer_ranks(meta.get("ranks"), sorted(means), int(rank))
+    if ranks is None:
+        raise AllocMoeError(f"{what}'s means file {path} names per-layer ranks {meta.get('ranks')!r} that do not "
+                            f"match its layers {sorted(means)} and largest rank {rank}; {fix}")
     linear = {}
     for index, found in parts.items():
         if sorted(found) != sorted(LINEAR_PARTS) or index not in means:
             raise AllocMoeError(f"{what}'s means file {path}: layer {index}'s linear term is incomplete (holds "
                                 f"{sorted(found)}); {fix}")
         linear[index] = LinearTerm(**found)
-        if linear[index].rank != int(rank) or not linear[index].shapes_fit(*means[index].shape):
-            raise AllocMoeError(f"{what}'s means file {path}: layer {index}'s linear term does not have rank {rank} "
-                                f"and the means' {tuple(means[index].shape)} shape; {fix}")
-    if int(rank) and sorted(linear) != sorted(means):
-        raise AllocMoeError(f"{what}'s means file {path} has rank {rank} but linear terms for layers {sorted(linear)} "
-                            f"only, not {sorted(means)}; {fix}")
+        if linear[index].rank != ranks[index] or not linear[index].shapes_fit(*means[index].shape):
+            raise AllocMoeError(f"{what}'s means file {path}: layer {index}'s linear term does not have rank "
+                                f"{ranks[index]} and the means' {tuple(means[index].shape)} shape; {fix}")
+    wanted = sorted(i for i, r in ranks.items() if r)
+    if sorted(linear) != wanted:
+        raise AllocMoeError(f"{what}'s means file {path} names linear terms for layers {wanted} but holds them for "
+                            f"{sorted(linear)}; {fix}")
     return ExpertMeans(means=means, tokens=int(tokens), linear=linear or None)
+
+
+def _layer_ranks(written: str | None, layers: list[int], rank: int) -> dict[int, int] | None:
+    """Each layer's rank from a means file's "ranks" metadata ("<i>:<r>,..."; absent: `rank` on every
+    layer); None when it does not name exactly `layers` with ranks up to `rank`, the largest."""
+    if written is None:
+        return {i: rank for i in layers}
+    ranks = {}
+    for item in written.split(",") if written else []:
+        index, _, r = item.partition(":")
+        if not (index.isdigit() and r.isdigit()) or int(index) in ranks:
+            return None
+        ranks[int(index)] = int(r)
+    if sorted(ranks) != layers or max(ranks.values(), default=0) != rank:
+        return None
+    return ranks

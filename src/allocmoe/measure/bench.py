@@ -405,7 +405,8 @@ def _summarise(plan: Plan, config: BenchConfig, fingerprint: dict[str, Any], lin
             phase: {"ratio": timings["plan"][phase]["median"] / timings["twin"][phase]["median"],
                     "ratio_paired": statistics.median(p / t for p, t in zip(samples["plan"][phase],
                                                                              samples["twin"][phase])),
-                    "rank": plan.means.rank}
+                    "rank": plan.means.rank,            # the largest; per layer in "ranks"
+                    "ranks": {str(i): r for i, r in sorted(plan.means.ranks.items())}}
             for phase in ("prefill", "decode")}
     for name, phases in timings.items():
         for phase, summary in phases.items():
