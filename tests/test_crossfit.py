@@ -73,8 +73,9 @@ def run_auto(tiny, monkeypatch, budget: float, config: dict):
 
 
 def test_every_trial_is_scored_cross_fitted_and_the_best_so_is_chosen(tiny, monkeypatch):
-    """Each of auto's 18 trials (stand-ins on every layer or none, and the (k, rank) menu's, whose layers
-    carry ranks 0-2 around substitute_rank 1) is scored as brute force scores it: every token, each half
+    """Each of auto's 22 trials (stand-ins on every layer or none: 14; the (k, stand-in) menu's at rank 1
+    and the (k, rank) menu's, whose layers carry ranks 0-2 around substitute_rank 1: 4 each) is scored
+    as brute force scores it: every token, each half
     of the windows with stand-ins fitted by the test on the other half at the trial's own ranks; auto
     keeps the best so."""
     from conftest import fit_at_ranks, two_fold_ppl
@@ -87,8 +88,9 @@ def test_every_trial_is_scored_cross_fitted_and_the_best_so_is_chosen(tiny, monk
             assert equal_means(mine.means, fit_at_ranks(model, calibration[0::2], mine.means.ranks))
         scores.append(two_fold_ppl(model, mine, calibration))
         assert trial["calibration_perplexity"] == pytest.approx(scores[-1], rel=1e-6)
-    assert len(made) == 18 and {t["substitute"] for t in made} == {True, False}
-    assert any(len(set(t["standin_ranks"].values())) > 1 for t in made if t.get("menu"))   # mixed ranks scored
+    assert len(made) == 22 and {t["substitute"] for t in made} == {True, False}
+    menus = {t["menu"]: set(t["standin_ranks"].values()) for t in made if t.get("menu")}
+    assert menus["k x stand-in"] <= {1} and len(menus["k x stand-in rank"]) > 1          # mixed ranks scored
     chosen = plan.provenance["details"]["chosen"]
     best = min(range(len(made)), key=scores.__getitem__)
     assert scores[made.index(next(t for t in made if all(t.get(k) == v for k, v in chosen.items())))] == min(scores)

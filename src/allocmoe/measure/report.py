@@ -62,7 +62,9 @@ def markdown_table(results: dict[str, Any]) -> str:
     if autos:
         lines += ["", "auto chose: " + "; ".join(
             f"B={r['budget_activations']:g}: {r['auto_choice']['method']} (k_base={r['auto_choice']['k_base']}"
-            + (", stand-ins where the (k, stand-in) DP put them" if r["auto_choice"].get("menu")
+            + (", stand-ins where the (k, rank) DP put them, ranks "
+               + (" ".join(f"{i}:{k}" for i, k in r["auto_choice"].get("standin_ranks", {}).items()) or "none")
+               if r["auto_choice"].get("menu")
                else ", stand-ins on every layer" if r["auto_choice"].get("substitute") else "") + ")"
             for r in autos)]
     return "\n".join(lines) + "\n"
