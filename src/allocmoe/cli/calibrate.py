@@ -96,7 +96,8 @@ def _add_substitute_flags(p) -> None:
                         "default: auto tries with and without, other methods without")
     p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
                    help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
-                        "mean (default 8; 0: the means alone, as MoNE)")
+                        "mean (default 8; 0: the means alone, as MoNE); auto's (k, rank) menu also tries 0, R/2 "
+                        "and 2R per layer")
     p.add_argument("--standin-fit", default=None, choices=STANDIN_FITS,
                    help="with the substitute: how the plan's stand-ins are fitted for shipping, once every choice "
                         "is made: skipped, on the slots the plan skips, weighted by gate^2, on the inputs the plan "
