@@ -81,7 +81,7 @@ def test_every_trial_is_scored_cross_fitted_and_the_best_so_is_chosen(tiny, monk
     from conftest import fit_at_ranks, two_fold_ppl
 
     model = tiny[0]
-    plan, made, as_scored, calibration = run_auto(tiny, monkeypatch, 6, {"substitute_rank": 1})
+    plan, made, as_scored, calibration = run_auto(tiny, monkeypatch, 6, {"substitute_rank": 1, "rank_menu": True})
     scores = []
     for trial, mine in zip(made, as_scored):
         if mine.means is not None:                     # fold 1's stand-ins, at the trial's ranks

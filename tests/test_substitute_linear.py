@@ -188,6 +188,8 @@ def test_per_layer_ranks_travel_in_the_means_file_and_a_mismatch_is_refused(tmp_
     (["--method", "uniform", "--substitute-rank", "4"], "--substitute-rank applies to the substitute"),
     (["--method", "auto", "--no-substitute", "--substitute-rank", "4"], "--substitute-rank applies to the substitute"),
     (["--method", "uniform", "--substitute", "--substitute-rank", "33"], "above this model's hidden size 32"),
+    (["--method", "uniform", "--rank-menu"], "--rank-menu applies to auto's (k, stand-in) menu"),
+    (["--method", "auto", "--substitute", "--rank-menu"], "--rank-menu applies to auto's (k, stand-in) menu"),
 ])
 def test_a_rank_without_a_substitute_or_above_the_hidden_size_is_refused(tiny_folder, tmp_path, capsys, argv, message):
     with pytest.raises(SystemExit) as exit_:

@@ -325,6 +325,9 @@ def test_auto_never_spends_past_the_budget_in_total(qwen, budget, monkeypatch):
     assert len(scored) > 10 and max(scored) <= B + 1e-9
     trials = plan.provenance["details"]["trials"]
     assert any(t.get("menu") for t in trials) and len(trials) > 1
+    # the default menu: stand-ins at substitute_rank or none (rank_menu off)
+    assert {t["menu"] for t in trials if t.get("menu")} == {"k x stand-in"}
+    assert all(set(t["standin_ranks"].values()) <= {2} for t in trials if t.get("menu"))
     assert plan.provenance["details"]["refine"]["start_calibration_perplexity"] == pytest.approx(
         min(t["calibration_perplexity"] for t in trials))
 

@@ -74,8 +74,9 @@ class AllocateConfig(Config):
     substitute: bool | None = None  # add stand-ins for skipped experts back; None: auto tries both, others don't
     refine: int | None = None       # calibration passes for the joint refinement; None: AUTO_REFINE for auto, else 0
     substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
-                                    # on the shipped models rank 8 kept half the loss the means left (quality.md);
-                                    # auto's (k, rank) menu also offers 0, r/2 and 2r per layer (menu_ranks)
+                                    # on the shipped models rank 8 kept half the loss the means left (quality.md)
+    rank_menu: bool = False         # auto's (k, stand-in) DP also offers each layer ranks 0, r/2 and 2r (menu_ranks);
+                                    # off by default: over the 20 quality cells it lost 2.6 test ppl in all (quality.md)
     standin_fit: str = "skipped"    # how a plan's stand-ins are fitted for shipping: "skipped", on the slots the plan
                                     # skips, gate^2-weighted, under the plan (built-in model at half: 0.137 -> 0.075
                                     # of uniform's loss, quality.md); "routed", on every token routed to the expert
@@ -519,8 +520,8 @@ def _fold_means(model, windows, config: AllocateConfig, rank: int | None = None)
 
 def _fit_rank(method: str, config: AllocateConfig, model) -> int:
     """The rank the folds' stand-ins are fitted at, cut to each plan's ranks when scored: the largest of
-    auto's (k, rank) menu where it runs, else substitute_rank."""
-    if method == "auto" and config.substitute is None:
+    auto's (k, rank) menu where it runs (rank_menu), else substitute_rank."""
+    if method == "auto" and config.substitute is None and config.rank_menu:
         return max(menu_ranks(config.substitute_rank, int(model.config.hidden_size)))
     return config.substitute_rank
 
@@ -660,8 +661,9 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
     for k_base in sorted({0, 1, 2, config.k_base}):
         if k_base <= budget.per_layer:
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
-    menu = substitute and config.substitute is None              # where stand-ins pay, per layer, at what rank
-    ranks = menu_ranks(config.substitute_rank, int(model.config.hidden_size)) if menu else [config.substitute_rank]
+    menu = substitute and config.substitute is None              # where stand-ins pay, per layer (at what rank)
+    ranks = (menu_ranks(config.substitute_rank, int(model.config.hidden_size)) if menu and config.rank_menu
+             else [config.substitute_rank])
     fold_means = _fold_means(model, windows, config, _fit_rank("auto", config, model)) if substitute else None
     means = fold_means[0].truncated({i: config.substitute_rank for i in fold_means[0].means}) if substitute else None
     judge = _judge(model, windows, config, fold_means)          # the plans carry fold 1's; the judge swaps per fold
@@ -742,10 +744,10 @@ def _scored(trials: list[dict], judge: Callable[[Plan], float], config: Allocate
 
 
 def menu_ranks(rank: int, hidden: int) -> list[int]:
-    """The stand-in ranks auto's (k, rank) menu offers a layer around `rank` (substitute_rank): the mean
-    alone, half, the rank itself and twice it (at most the hidden size). Measured on four small families
-    at a third of the budget, the menu's pick beat every trial of one rank by 1.2-4.1 calibration
-    perplexity on three of them (docs/quality.md)."""
+    """The stand-in ranks auto's (k, rank) menu (rank_menu) offers a layer around `rank` (substitute_rank):
+    the mean alone, half, the rank itself and twice it (at most the hidden size). On four small families
+    at a third of the budget its pick beat every one-rank trial by 1.2-4.1 calibration perplexity on
+    three of them, yet over the 20 quality cells it lost on test text (docs/quality.md): off by default."""
     return sorted({0, rank // 2, rank, min(2 * rank, hidden)})
 
 

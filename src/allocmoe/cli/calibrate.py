@@ -96,8 +96,10 @@ def _add_substitute_flags(p) -> None:
                         "default: auto tries with and without, other methods without")
     p.add_argument("--substitute-rank", type=non_negative_int, default=None, metavar="R",
                    help="with the substitute: rank of the least-squares linear term beside each skipped expert's "
-                        "mean (default 8; 0: the means alone, as MoNE); auto's (k, rank) menu also tries 0, R/2 "
-                        "and 2R per layer")
+                        "mean (default 8; 0: the means alone, as MoNE)")
+    p.add_argument("--rank-menu", action="store_const", const=True, default=None,
+                   help="auto: its (k, stand-in) DP also offers each layer stand-in ranks 0, R/2 and 2R besides R "
+                        "(off by default: over the 20 quality cells it lost on test text; docs/quality.md)")
     p.add_argument("--standin-fit", default=None, choices=STANDIN_FITS,
                    help="with the substitute: how the plan's stand-ins are fitted for shipping, once every choice "
                         "is made: skipped, on the slots the plan skips, weighted by gate^2, on the inputs the plan "
@@ -228,8 +230,12 @@ def _allocate_config(args):
                             seq_len=args.seq_len, windows_per_pass=args.windows_per_pass, progress=not args.quiet,
                             substitute=args.substitute, refine=args.refine,
                             **({} if args.substitute_rank is None else {"substitute_rank": args.substitute_rank}),
-                            **({} if args.standin_fit is None else {"standin_fit": args.standin_fit}))
+                            **({} if args.standin_fit is None else {"standin_fit": args.standin_fit}),
+                            **({} if args.rank_menu is None else {"rank_menu": True}))
     substitute, refine = addons(args.method, config)
+    if args.rank_menu and (args.method != "auto" or args.substitute is not None):
+        raise AllocMoeError("--rank-menu applies to auto's (k, stand-in) menu, which runs with --method auto and the "
+                            "substitute left to auto; drop --rank-menu, or --substitute/--no-substitute")
     for flag, value in (("--substitute-rank", args.substitute_rank), ("--standin-fit", args.standin_fit)):
         if value is not None and not substitute:
             raise AllocMoeError(f"{flag} applies to the substitute, which --method {args.method} runs without "
@@ -340,7 +346,7 @@ def _allocate_distinct(args) -> None:
     for flag, value in (("--method", args.method), ("--profile", args.profile), ("--k-base", args.k_base),
                         ("--pool", args.pool), ("--substitute", args.substitute),
                         ("--substitute-rank", args.substitute_rank), ("--standin-fit", args.standin_fit),
-                        ("--refine", args.refine),
+                        ("--rank-menu", args.rank_menu), ("--refine", args.refine),
                         ("--windows-per-pass", args.windows_per_pass)):
         if value is not None:
             raise AllocMoeError(f"{flag} does not apply with --max-distinct-experts (its plan caps distinct experts "
