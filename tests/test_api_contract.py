@@ -307,7 +307,8 @@ def _bad_calls(model, tok, folder, tmp_path):
         (lambda: AllocateConfig(refine=-1), "refine (--refine) must be a whole number >= 0"),
         (lambda: AllocateConfig(refine=inf), "refine (--refine) must be a whole number"),
         (lambda: AllocateConfig(substitute_rank=-1), "substitute_rank (--substitute-rank) must be a whole number >= 0"),
-        (lambda: AllocateConfig(1, "batch", 8192, None, 4, 512, 0, True, None, None, 8, "skipped", 9), "takes at most 12"),
+        (lambda: AllocateConfig(1, "batch", 8192, None, 4, 512, 0, True, None, None, 8, "skipped", False, 9),
+         "takes at most 13"),
         (lambda: AllocateConfig(2, k_base=3), "twice"),
         (lambda: AllocateConfig(bogus=1), "unknown AllocateConfig field(s) ['bogus']"),
         # the other configs

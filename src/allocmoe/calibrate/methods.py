@@ -75,11 +75,11 @@ class AllocateConfig(Config):
     refine: int | None = None       # calibration passes for the joint refinement; None: AUTO_REFINE for auto, else 0
     substitute_rank: int = 8        # rank of the least-squares term beside each mean (0: the means alone, MoNE);
                                     # on the shipped models rank 8 kept half the loss the means left (quality.md)
-    rank_menu: bool = False         # auto's (k, stand-in) DP also offers each layer ranks 0, r/2 and 2r (menu_ranks);
-                                    # off by default: over the 20 quality cells it lost 2.6 test ppl in all (quality.md)
     standin_fit: str = "skipped"    # how a plan's stand-ins are fitted for shipping: "skipped", on the slots the plan
                                     # skips, gate^2-weighted, under the plan (built-in model at half: 0.137 -> 0.075
                                     # of uniform's loss, quality.md); "routed", on every token routed to the expert
+    rank_menu: bool = False         # auto's (k, stand-in) DP also offers each layer ranks 0, r/2 and 2r (menu_ranks);
+                                    # off by default: over the 20 quality cells it lost 2.6 test ppl in all (quality.md)
 
     def __post_init__(self):        # types are checked by Config.__init__ before this runs
         if self.pool not in ("batch", "sequence"):
