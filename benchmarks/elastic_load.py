@@ -65,8 +65,7 @@ def build_folder(folder: Path, shape: str, num_layers: int, vocab_size: int) -> 
     _, tok = load_model()
     if vocab_size < len(tok):
         raise SystemExit(f"--vocab-size must hold the built-in tokenizer's {len(tok)} words, got {vocab_size}")
-    synthetic.SHAPES[shape] = dict(synthetic.SHAPES[shape], vocab_size=vocab_size)
-    model = synthetic.build_synthetic(synthetic.PREFIX + shape, num_layers)
+    model = synthetic.build_synthetic(synthetic.PREFIX + shape, num_layers, overrides={"vocab_size": vocab_size})
     with torch.no_grad():
         model.lm_head.weight[len(tok):] = 0          # ids past the tokenizer never win (same work per step)
     plans = {}

@@ -232,6 +232,14 @@ def test_synthetic_shapes_match_the_published_configs(name, expected):
     assert config.norm_topk_prob is False
 
 
+def test_a_synthetic_config_takes_overrides_and_leaves_the_shapes_as_published():
+    from allocmoe.measure.synthetic import SHAPES
+
+    config = synthetic_config("synthetic:olmoe-1b-7b", 2, overrides={"vocab_size": 512})
+    assert config.vocab_size == 512 and config.num_hidden_layers == 2
+    assert SHAPES["olmoe-1b-7b"]["vocab_size"] == 50304 and synthetic_config("synthetic:olmoe-1b-7b").vocab_size == 50304
+
+
 def test_deepseek_v2_lite_shape_has_about_16b_parameters():
     total = parameter_bytes(synthetic_config("synthetic:deepseek-v2-lite"), torch.float32) / 4
     assert 15.0e9 < total < 16.5e9                       # DeepSeek-V2-Lite: 15.7B parameters

@@ -35,14 +35,16 @@ SHAPES: dict[str, dict] = {
 PREFIX = "synthetic:"
 
 
-def synthetic_config(name: str, num_layers: int | None = None):
+def synthetic_config(name: str, num_layers: int | None = None, overrides: dict | None = None):
+    """The config of shape `name` (synthetic:<shape>), with `num_layers` and any field of `overrides`
+    (e.g. a vocab_size that holds another tokenizer) changed; SHAPES itself is never changed."""
     from transformers import AutoConfig
 
     shape = SHAPES.get(name.removeprefix(PREFIX))
     if shape is None:
         raise AllocMoeError(f"unknown synthetic shape {name!r}; choose one of "
                             f"{', '.join(PREFIX + s for s in SHAPES)}")
-    shape = dict(shape)
+    shape = {**shape, **(overrides or {})}
     model_type = shape.pop("model_type")
     if num_layers is not None:
         dense = shape.get("first_k_dense_replace", 0)
@@ -62,11 +64,12 @@ def parameter_bytes(config, dtype: torch.dtype) -> int:
 
 
 def build_synthetic(name: str, num_layers: int | None = None, dtype: torch.dtype = torch.float32,
-                    device: str = "cpu", seed: int = 0):
-    """A random-weight model of a real shape; routers get realistic, non-degenerate logits."""
+                    device: str = "cpu", seed: int = 0, overrides: dict | None = None):
+    """A random-weight model of a real shape (synthetic_config's `overrides` changed); routers get
+    realistic, non-degenerate logits."""
     from transformers import AutoModelForCausalLM
 
-    config = synthetic_config(name, num_layers)
+    config = synthetic_config(name, num_layers, overrides)
     torch.manual_seed(seed)
     with torch.device(device):
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
