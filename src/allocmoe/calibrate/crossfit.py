@@ -17,8 +17,8 @@ with the stand-ins of the fold that did not see it (`held_out_perplexity`: the t
 of the two folds' log-perplexities). A plan without them fits nothing and is scored on every window
 at once, which is the same measure. Every choice is made by that score: auto's trials, each
 refinement move, the remainder, a target's "meets it". Scoring with one fold alone (the previous
-rule) judged on half the text; measured on four families at four budgets, the two folds chose a
-better plan on test text in 6 of 16 cells and a worse one in 1 (docs/quality.md). The (k, stand-in)
+rule) judged on half the text; over the 20 quality cells (five families, four budgets) the two folds
+chose a better plan on test text in 7, a worse one in 3, the same in 10 (docs/quality.md). The (k, stand-in)
 menu's profile, which only proposes a trial that is then scored so, is measured on fold 1 alone.
 
 The plan returned then has its stand-ins refitted on all the windows (`refit`), keeping every choice

@@ -11,8 +11,8 @@ That is E x H (+ E x H x 2r) numbers per layer: too many for JSON, so they live 
 file beside the plan, and the plan names it and records its SHA-256. Loading reads tensors only
 (safetensors never executes anything), and refuses a file whose hash, layers or shapes do not match.
 
-Each layer has its own rank (`auto`'s (k, rank) DP may give layer 1 rank 16 and layer 3 the mean
-alone, rank 0); a plan made with one --substitute-rank has the same on every layer.
+Each layer has its own rank (with --rank-menu, `auto`'s (k, rank) DP may give layer 1 rank 16 and
+layer 3 the mean alone, rank 0); a plan made with one --substitute-rank has the same on every layer.
 
 File shape: float32 tensors per MoE layer i (i = decoder layer index): `layer.<i>` [E, H], the
 means; where layer i's rank r_i > 0 also `layer.<i>.input_mean` [E, H], `layer.<i>.down` [E, H, r_i]
