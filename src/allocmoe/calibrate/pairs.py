@@ -5,7 +5,8 @@ of each rank of a menu on its layer: MoE layer i at k, layers before it at K_ori
 top-1, and a stand-in (if any) on layer i alone. `auto` hands the tables to the exact DP over each
 layer's menu of (k, rank) pairs (core/solver.py solve_menu_allocation), whose costs are k plus the
 stand-ins' activation-equivalents at that rank (core/budget.py), so it buys a layer's stand-ins only
-where they lower the loss more than the activations they displace would, and at the rank that pays.
+where they lower the loss more than the activations they displace would, and at the rank that pays
+(by default the menu holds one rank, substitute_rank; with rank_menu, 0, r/2, r and 2r).
 
 The tables come from the same calibration windows, through the same cells code (cells.py, prefix-cached
 as the profile is: each cell starts from the held states of its first reduced layer). Cells that
