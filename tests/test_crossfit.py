@@ -11,11 +11,12 @@ from dataclasses import replace
 import pytest
 import torch
 
-from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity
+from allocmoe import AllocMoeError, allocate
 from allocmoe.calibrate import methods
 from allocmoe.calibrate.crossfit import SPLIT, split_windows
 from allocmoe.calibrate.means import fit_skipped_standins, measure_expert_means
 from allocmoe.scoring.perplexity import tokenize_windows
+from conftest import windows_ppl
 
 RANK = 8
 
@@ -25,12 +26,6 @@ def tiny(tiny_folder):
     from conftest import budget_sensitive_tiny
 
     return budget_sensitive_tiny(tiny_folder, "qwen3_moe")
-
-
-def ppl(model, plan, windows) -> float:
-    with apply_plan(model, plan):
-        return evaluate_perplexity(model, None, "", {"windows_per_pass": 4, "progress": False},
-                                   windows=windows).perplexity
 
 
 def equal_means(a, b) -> bool:
@@ -117,7 +112,7 @@ def test_cross_fitting_never_lets_the_fitted_text_choose(tiny, monkeypatch):
     assert len(made) == 5 and all(t["substitute"] for t in made)
     scores = [two_fold_ppl(model, mine, calibration) for mine in as_scored]
     assert [t["calibration_perplexity"] for t in made] == pytest.approx(scores, rel=1e-6)
-    in_sample = [ppl(model, mine, calibration[0::2]) for mine in as_scored]   # the trials carry fold 1's
+    in_sample = [windows_ppl(model, mine, calibration[0::2]) for mine in as_scored]   # the trials carry fold 1's
     fitted_text_pick = min(range(len(made)), key=in_sample.__getitem__)
     assert scores[fitted_text_pick] > min(scores) + 0.5                       # a different, worse choice
     chosen, best = plan.provenance["details"]["chosen"], made[scores.index(min(scores))]

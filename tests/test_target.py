@@ -9,6 +9,7 @@ import torch
 from allocmoe import AllocMoeError, allocate, apply_plan, evaluate_perplexity
 from allocmoe.calibrate.target import parse_target, smallest_budget
 from allocmoe.cli import main
+from conftest import windows_ppl
 
 
 def brute_force(curve: dict[int, float], target: float) -> int:
@@ -106,12 +107,6 @@ def test_a_bad_method_is_refused_before_any_calibration_pass(tiny, monkeypatch):
         allocate(method="alloc-moe", target_ppl="5%", model=model, tokenizer=tok, calib_text=text)
 
 
-def _judged(model, plan, windows) -> float:
-    with apply_plan(model, plan):
-        return evaluate_perplexity(model, None, "", {"windows_per_pass": 4, "progress": False},
-                                   windows=windows).perplexity
-
-
 def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(tiny):
     """Budgets are total cost (activations plus stand-ins): with rank-2 stand-ins on every layer (u = 0.10
     of an expert each) one expert per layer costs 3.92, so the search runs over 4..12. Brute force: each
@@ -143,8 +138,8 @@ def test_with_stand_ins_the_target_is_judged_on_windows_they_were_not_fitted_on(
     found = plan.provenance["target"]
     assert found["budget_found"] == answer == min(b for b in judged if judged[b] <= target) and plan.budget == answer
     assert found["judged_on"].endswith("cross-fitted (calibrate/crossfit.py)") and found["calibration_tokens"] == 8 * 63
-    assert found["full_calibration_perplexity"] == pytest.approx(_judged(model, allocate(12, "uniform", model=model),
-                                                                        windows), rel=1e-6)
+    full = windows_ppl(model, allocate(12, "uniform", model=model), windows)
+    assert found["full_calibration_perplexity"] == pytest.approx(full, rel=1e-6)
     assert min(int(b) for b in found["tried"]) == 4
     for budget, ppl in found["tried"].items():
         assert ppl == pytest.approx(judged[int(budget)], rel=1e-5)

@@ -263,8 +263,8 @@ def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int
         raise AllocMoeError("choosing the stand-ins' fit needs a plan with stand-ins; allocate one with the "
                             "substitute on (the default for auto, --substitute otherwise)")
     first, second = split_windows(windows)
-    rank, layers = plan.means.rank, sorted(plan.means.means)        # fitted at the largest, cut to each layer's
-    fits = {"plain": measure_expert_means(model, first, batch_size, rank=rank, layers=layers).truncated(plan.means.ranks)}
+    rank, layers, ranks = plan.means.rank, sorted(plan.means.means), plan.means.ranks   # fit at the largest, cut
+    fits = {"plain": measure_expert_means(model, first, batch_size, rank=rank, layers=layers).truncated(ranks)}
     fits["sequential"] = refit_expert_means(model, first, replace(plan, means=fits["plain"]), batch_size, progress)
     held_out = {}
     for name, means in fits.items():
@@ -273,5 +273,5 @@ def choose_standin_fit(model, windows: torch.Tensor, plan: Plan, batch_size: int
                                                  windows=second).perplexity
     chose = min(held_out, key=held_out.get)
     means = (refit_expert_means(model, windows, plan, batch_size, progress) if chose == "sequential"
-             else measure_expert_means(model, windows, batch_size, rank=rank, layers=layers).truncated(plan.means.ranks))
+             else measure_expert_means(model, windows, batch_size, rank=rank, layers=layers).truncated(ranks))
     return means, {"chose": chose, "held_out": held_out}

@@ -47,7 +47,7 @@ from ..core.plan import Plan, check_fingerprint
 from ..routing.layout import expert_weights, model_fingerprint, standin_costs
 from ..core.policies import AllocT, NaeeSkip, StaticTopK, TopP
 from ..core.solver import solve_allocation
-from .crossfit import cross_fit_provenance, held_out_perplexity, refit, split_windows
+from .crossfit import cross_fit_provenance, held_out_perplexity, refit, scored_tokens, split_windows
 
 PROFILE_METHODS = ("alloc-moe", "alloc-l")
 MODEL_METHODS = ("lexi", "top-p", "naee", "auto")
@@ -394,15 +394,14 @@ def _allocate_checked(budget, method: str, profile, model, tokenizer, calib_text
     plan = _allocate_plain(experts, method, profile, model, tokenizer, calib_text, config)
     plan.budget = parsed.activations_per_token
     windows = _calibration_windows(model, tokenizer, calib_text, config)
-    chooses = bool(refine) or held_out
-    plan.means = _fold_means(model, windows, config)[0] if chooses else _measure_means(model, windows, config)
+    folds = _fold_means(model, windows, config) if refine or held_out else None
+    plan.means = folds[0] if folds else _measure_means(model, windows, config)
     plan.standins = standin_costs(model, plan.means)
-    if chooses:
+    if folds:
         plan.provenance = {**plan.provenance, "cross_fit": cross_fit_provenance(windows)}
     if not refine:
         return plan
-    return _refined(plan, _judge(model, windows, config, _fold_means(model, windows, config)), config, refine,
-                    refine_memo)
+    return _refined(plan, _judge(model, windows, config, folds), config, refine, refine_memo)
 
 
 def _refitted(plan: Plan, model, tokenizer, calib_text, config: AllocateConfig) -> Plan:
@@ -518,11 +517,19 @@ def _fold_means(model, windows, config: AllocateConfig, rank: int | None = None)
     return tuple(_measure_means(model, part, config, rank) for part in split_windows(windows))
 
 
+def _auto_menu_ranks(config: AllocateConfig, model) -> list[int]:
+    """The stand-in ranks auto's (k, stand-in) menu offers a layer: menu_ranks with rank_menu, else
+    substitute_rank alone."""
+    if config.rank_menu:
+        return menu_ranks(config.substitute_rank, int(model.config.hidden_size))
+    return [config.substitute_rank]
+
+
 def _fit_rank(method: str, config: AllocateConfig, model) -> int:
     """The rank the folds' stand-ins are fitted at, cut to each plan's ranks when scored: the largest of
-    auto's (k, rank) menu where it runs (rank_menu), else substitute_rank."""
-    if method == "auto" and config.substitute is None and config.rank_menu:
-        return max(menu_ranks(config.substitute_rank, int(model.config.hidden_size)))
+    auto's menu where it runs (the substitute left to auto), else substitute_rank."""
+    if method == "auto" and config.substitute is None:
+        return max(_auto_menu_ranks(config, model))
     return config.substitute_rank
 
 
@@ -645,7 +652,7 @@ def _allocate_for_target(target_ppl, method: str, profile, model, tokenizer, cal
         bar.close()
     plan = _refitted(plans.get(found) or plan_at(found), model, tokenizer, calib_text, inner)
     plan.provenance = {**plan.provenance, "target": target_provenance(
-        target_ppl, target, full_ppl, found, tried, int(windows.numel() - windows.size(0)), plan.cost(),
+        target_ppl, target, full_ppl, found, tried, scored_tokens(windows), plan.cost(),
         "all calibration windows, cross-fitted (calibrate/crossfit.py)" if fitted else "all calibration windows")}
     return plan
 
@@ -662,8 +669,6 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
         if k_base <= budget.per_layer:
             candidates += [("alloc-moe", k_base), ("alloc-t", k_base)]
     menu = substitute and config.substitute is None              # where stand-ins pay, per layer (at what rank)
-    ranks = (menu_ranks(config.substitute_rank, int(model.config.hidden_size)) if menu and config.rank_menu
-             else [config.substitute_rank])
     fold_means = _fold_means(model, windows, config, _fit_rank("auto", config, model)) if substitute else None
     means = fold_means[0].truncated({i: config.substitute_rank for i in fold_means[0].means}) if substitute else None
     judge = _judge(model, windows, config, fold_means)          # the plans carry fold 1's; the judge swaps per fold
@@ -675,7 +680,8 @@ def _auto(budget: Budget, profile, model, windows, config: AllocateConfig, refin
                   "standin_ranks": {str(i): r for i, r in sorted((plan.means.ranks if plan.means else {}).items())},
                   "plan": plan}
                  for name, method, k_base, plan in _menu_trials(budget, model, split_windows(windows)[1], config,
-                                                                fold_means[0], ranks, candidates)]
+                                                                fold_means[0], _auto_menu_ranks(config, model),
+                                                                candidates)]
     trials = _scored(made, judge, config)
     best = min(trials, key=lambda t: t["calibration_perplexity"])
     plan = best["plan"]
